@@ -1,0 +1,24 @@
+"""keras_dist: distributed training for an unchanged Keras 3 script.
+
+```python
+import keras_dist
+keras_dist.compile(model, optimizer="adam", loss="sparse_categorical_crossentropy")
+model.fit(x, y, batch_size=64)   # per-replica batch; runs on every backend
+```
+"""
+
+import os
+
+from keras_dist import backends as _backends
+
+# Settings TensorFlow reads once at start-up (thread pools) must be made before it starts,
+# so the launcher's backend gets its say at import time. This reads the environment only.
+_backends.backend_class(_backends.select()[0]).prepare_process(os.environ)
+
+from keras_dist import callbacks  # noqa: E402
+from keras_dist.compile import compile  # noqa: E402
+from keras_dist.errors import KerasDistError  # noqa: E402
+from keras_dist.runtime import current, init  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["KerasDistError", "callbacks", "compile", "current", "init"]

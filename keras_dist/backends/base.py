@@ -1,0 +1,136 @@
+"""The interface every keras_dist backend implements.
+
+The rest of keras_dist (compile/fit wrapping, callbacks, input sharding, the launcher)
+talks to a backend only through this class, so a new backend is one new module beside
+the others plus one line in `keras_dist.backends.REGISTRY`.
+
+Two families fit behind it:
+
+* process-per-replica backends (Horovod): every process holds a full copy of the model;
+  keras_dist all-reduces gradients and metric states itself through the collectives below.
+* `tf.distribute` backends: the strategy replicates variables and reduces gradients and
+  metrics inside Keras; the backend hands out `scope()` and says how inputs are split.
+"""
+
+import abc
+import contextlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GradientOptions:
+    """How gradients are combined across replicas.
+
+    Args:
+        reduction: `"mean"` (default) or `"sum"`.
+        compression: `None` or `"fp16"` (halves the bytes on the wire; gradients are cast
+            back to their dtype after the reduction).
+    """
+
+    reduction: str = "mean"
+    compression: str | None = None
+
+
+class Backend(abc.ABC):
+    """One way of running a Keras 3 model on several replicas.
+
+    Subclasses set `name` and implement the abstract members. Process topology is in
+    processes (`rank`, `size`); `num_replicas` counts model replicas, which is larger
+    than `size` when one process drives several devices.
+    """
+
+    name: str = ""
+    # True when a checkpoint save is itself a collective (every worker must take part,
+    # non-chief workers then write to a scratch directory). False: non-chief workers skip.
+    saves_are_collective: bool = False
+    # True when keras_dist must reduce gradients and metric states itself.
+    reduces_in_keras_dist: bool = False
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        """Whether the process was started by this backend's launcher."""
+        return False
+
+    @classmethod
+    def prepare_process(cls, environ) -> None:
+        """Called at `import keras_dist`, before TensorFlow starts, when `detect` is true.
+
+        The place for settings TensorFlow reads only once (thread pools, visible devices).
+        """
+
+    # --- topology -------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_replicas(self) -> int:
+        return self.size
+
+    @property
+    def replicas_per_process(self) -> int:
+        """Replicas fed by one process: its input batch is this times the script's."""
+        return self.num_replicas // self.size
+
+    @property
+    def input_shard_count(self) -> int:
+        """Into how many interleaved shards keras_dist splits the script's inputs."""
+        return self.size
+
+    @property
+    def input_shard_index(self) -> int:
+        return self.rank
+
+    # --- model and optimizer --------------------------------------------------
+    def scope(self):
+        """Context under which the model's and optimizer's variables must be created."""
+        return contextlib.nullcontext()
+
+    def prepare_model(self, model):
+        """Returns the model to train (the same object unless variables had to move)."""
+        return model
+
+    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+        """Makes `optimizer` reduce gradients across replicas before each update."""
+
+    def sum_across_processes_in_graph(self, tensors):
+        """Sums a list of tensors over processes; usable inside a `tf.function`."""
+        return tensors
+
+    # --- host-side collectives (eager, used outside the train step) ------------
+    def allgather_object(self, obj) -> list:
+        """Every process's `obj`, in rank order, on every process."""
+        return [obj]
+
+    def broadcast_object(self, obj, root: int = 0):
+        return obj
+
+    def broadcast_variables(self, variables, root: int = 0) -> None:
+        """Overwrites `variables` on every process with their values on `root`."""
+
+    def allgather_array(self, array):
+        """Concatenates NumPy arrays of possibly different lengths, in rank order."""
+        return array
+
+    def barrier(self) -> None:
+        pass
+
+    def redirect_to_scratch(self, callback):
+        """For `saves_are_collective` backends: `callback` writing to a scratch directory."""
+        raise NotImplementedError(f"backend {self.name!r} does not redirect saves")
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "rank": self.rank, "size": self.size,
+                "local_rank": self.local_rank, "num_replicas": self.num_replicas}

@@ -1,0 +1,133 @@
+"""Horovod ring all-reduce, one process per replica, started by `horovodrun`.
+
+Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broadcast`,
+`allgather`): its Keras integration does not work with Keras 3 (horovod issue 4290).
+"""
+
+import itertools
+import os
+
+from keras_dist.backends.base import Backend, GradientOptions
+from keras_dist.errors import KerasDistError
+
+# Variables set by horovodrun (Gloo) or by mpirun (Open MPI, MPICH) for each process.
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def _import_horovod():
+    try:
+        import horovod  # noqa: F401
+    except ImportError:
+        raise KerasDistError(
+            "backend 'horovod' needs Horovod: run `tools/build_horovod.sh` "
+            "(builds it against your TensorFlow with Gloo) or `pip install horovod`"
+        ) from None
+    try:
+        import horovod.tensorflow as hvd
+    except Exception as exc:  # Horovod raises ImportError or its own errors here.
+        raise KerasDistError(
+            f"Horovod is installed but not built with TensorFlow ({exc}); rebuild it "
+            "with `tools/build_horovod.sh` (sets HOROVOD_WITH_TENSORFLOW=1)"
+        ) from None
+    return hvd
+
+
+class HorovodBackend(Backend):
+    """Data parallelism with Horovod: gradients and metric states are all-reduced.
+
+    Launch: `horovodrun -np 4 -H localhost:4 --gloo python train.py` (or `keras-dist
+    launch --backend horovod -n 4 train.py`). Each process pins itself to the GPU of its
+    local rank when GPUs are present.
+    """
+
+    name = "horovod"
+    reduces_in_keras_dist = True
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        return any(var in environ for var in _RANK_VARS)
+
+    @classmethod
+    def prepare_process(cls, environ) -> None:
+        # N processes on one host would each start a thread pool as wide as the machine;
+        # give each its share of the cores unless the user chose.
+        local_size = next((int(environ[v]) for v in _LOCAL_SIZE_VARS if v in environ), 1)
+        if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
+            environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_size))
+
+    def __init__(self):
+        self._hvd = _import_horovod()
+        self._hvd.init()
+        self._names = itertools.count()
+        self._pin_gpu()
+
+    def _pin_gpu(self):
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return
+        try:
+            tf.config.set_visible_devices(gpus[self.local_rank % len(gpus)], "GPU")
+            tf.config.experimental.set_memory_growth(gpus[self.local_rank % len(gpus)], True)
+        except RuntimeError:
+            raise KerasDistError(
+                "TensorFlow was already running when keras_dist started Horovod; call "
+                "keras_dist.init() (or keras_dist.compile) before building the model"
+            ) from None
+
+    def _name(self, kind):
+        # Eager Horovod ops are matched across ranks by name; all ranks call in one order.
+        return f"keras_dist.{kind}.{next(self._names)}"
+
+    @property
+    def rank(self) -> int:
+        return self._hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self._hvd.size()
+
+    @property
+    def local_rank(self) -> int:
+        return self._hvd.local_rank()
+
+    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+        from keras_dist import optimizer_hooks
+
+        hvd = self._hvd
+        op = hvd.Average if options.reduction == "mean" else hvd.Sum
+        compression = hvd.Compression.fp16 if options.compression == "fp16" else hvd.Compression.none
+
+        def allreduce_gradients(grads):
+            import tensorflow as tf
+
+            dense = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
+            return hvd.grouped_allreduce(dense, op=op, compression=compression)
+
+        def all_finite(is_finite):
+            import tensorflow as tf
+
+            return hvd.allreduce(tf.cast(is_finite, tf.int32), op=hvd.Min) > 0
+
+        optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
+
+    def sum_across_processes_in_graph(self, tensors):
+        return self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum)
+
+    def allgather_object(self, obj) -> list:
+        return self._hvd.allgather_object(obj, name=self._name("allgather_object"))
+
+    def broadcast_object(self, obj, root: int = 0):
+        return self._hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
+
+    def broadcast_variables(self, variables, root: int = 0) -> None:
+        for variable in variables:
+            variable.assign(self._hvd.broadcast(variable.value, root_rank=root, name=self._name("broadcast")))
+
+    def allgather_array(self, array):
+        return self._hvd.allgather(array, name=self._name("allgather")).numpy()
+
+    def barrier(self) -> None:
+        self._hvd.allreduce([0.0], name=self._name("barrier"))

@@ -1,0 +1,53 @@
+"""Start every replica from the chief's weights, optimizer state and epoch."""
+
+import keras
+
+from keras_dist.errors import KerasDistError
+
+
+class SyncInitialState(keras.callbacks.Callback):
+    """Broadcasts the chief's model and optimizer state before the first update.
+
+    keras_dist places it after the user's callbacks, so weights the chief restored in
+    `on_train_begin` (`BackupAndRestore`) reach every worker, with the epoch to resume
+    from. Before broadcasting it checks that every process built the same model, which
+    would otherwise hang the first collective.
+
+    Args:
+        backend: the active keras_dist backend.
+    """
+
+    def __init__(self, backend):
+        super().__init__()
+        self.backend = backend
+
+    def on_train_begin(self, logs=None):
+        sync_model_state(self.model, self.backend)
+        # BackupAndRestore (chief only) sets the epoch to resume from.
+        self.model._initial_epoch = self.backend.broadcast_object(self.model._initial_epoch)
+
+
+def sync_model_state(model, backend):
+    """Checks the models match across processes, then copies the chief's state to all."""
+    optimizer = model.optimizer
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    variables = list(model.weights) + (list(optimizer.variables) if optimizer is not None else [])
+    signature = [(v.path, tuple(v.shape), str(v.dtype)) for v in variables]
+    signatures = backend.allgather_object(signature)
+    for rank, other in enumerate(signatures):
+        if other != signatures[0]:
+            raise KerasDistError(
+                f"the model on rank {rank} differs from rank 0's ({_first_difference(signatures[0], other)}); "
+                "build the same model, with the same layers and shapes, on every process"
+            )
+    backend.broadcast_variables(variables)
+
+
+def _first_difference(reference, other):
+    if len(reference) != len(other):
+        return f"{len(other)} variables instead of {len(reference)}"
+    for mine, theirs in zip(reference, other):
+        if mine != theirs:
+            return f"{theirs[0]} has shape {theirs[1]}, rank 0 has {mine[0]} with shape {mine[1]}"
+    return "unknown difference"

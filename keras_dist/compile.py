@@ -1,0 +1,91 @@
+"""`keras_dist.compile`: the one call that replaces `model.compile`."""
+
+import keras
+
+from keras_dist import runtime, training
+from keras_dist.backends.base import GradientOptions
+from keras_dist.errors import KerasDistError
+
+
+def compile(
+    model,
+    *args,
+    gradient_reduction="mean",
+    gradient_compression=None,
+    scale_learning_rate=False,
+    **kwargs,
+):
+    """Compiles `model` for distributed training on the active backend.
+
+    Takes the same arguments as `model.compile`. Afterwards the model's unchanged
+    `fit`, `evaluate` and `predict` run on every replica: batch sizes are per replica,
+    inputs are split across replicas, gradients and metrics are reduced across them and
+    only the chief writes checkpoints, TensorBoard logs and CSV logs.
+
+    Args:
+        model: a `keras.Model`.
+        *args: passed to `model.compile` (optimizer, loss, ...).
+        gradient_reduction: `"mean"` (default) or `"sum"` of the replicas' gradients.
+        gradient_compression: `None` or `"fp16"`, the dtype gradients travel in
+            (backends that reduce in keras_dist, such as Horovod).
+        scale_learning_rate: multiply the optimizer's learning rate by the number of
+            replicas (pair it with `keras_dist.callbacks.LearningRateWarmup`).
+        **kwargs: passed to `model.compile`.
+
+    Example:
+
+    ```python
+    import keras_dist
+    keras_dist.compile(model, optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(x, y, batch_size=32, epochs=3)
+    ```
+    """
+    if not isinstance(model, keras.Model):
+        raise KerasDistError(
+            f"keras_dist.compile expects a keras.Model as its first argument, got "
+            f"{type(model).__name__}; call keras_dist.compile(model, optimizer=..., loss=...)"
+        )
+    if gradient_reduction not in ("mean", "sum"):
+        raise KerasDistError(f"gradient_reduction must be 'mean' or 'sum', got {gradient_reduction!r}")
+    if gradient_compression not in (None, "fp16"):
+        raise KerasDistError(f"gradient_compression must be None or 'fp16', got {gradient_compression!r}")
+    backend = runtime.current()
+    backend.prepare_model(model)
+    with backend.scope():
+        model.compile(*args, **kwargs)
+        if scale_learning_rate:
+            _scale_learning_rate(model.optimizer, backend.num_replicas)
+    backend.distribute_optimizer(model.optimizer, GradientOptions(gradient_reduction, gradient_compression))
+    training.attach(model, backend)
+
+
+def _scale_learning_rate(optimizer, factor):
+    rate = optimizer._learning_rate  # the schedule itself, where there is one
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        optimizer.learning_rate = ScaledSchedule(rate, factor)
+    else:
+        optimizer.learning_rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) * factor
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A learning-rate schedule multiplied by a constant (the number of replicas).
+
+    Args:
+        schedule: the `LearningRateSchedule` to scale.
+        factor: the multiplier.
+    """
+
+    def __init__(self, schedule, factor):
+        self.schedule = schedule
+        self.factor = factor
+
+    def __call__(self, step):
+        return self.schedule(step) * self.factor
+
+    def get_config(self):
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule), "factor": self.factor}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(keras.saving.deserialize_keras_object(config["schedule"]), config["factor"])

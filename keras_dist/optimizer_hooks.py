@@ -1,0 +1,57 @@
+"""Per-instance hooks that make a Keras 3 optimizer reduce gradients across processes.
+
+Keras 3 optimizers funnel every update through `BaseOptimizer._clip_gradients`, exactly
+once per applied update: after loss-scale unscaling, after `gradient_accumulation_steps`
+micro-batches have been summed, and before clipping, weight decay and the update rule.
+Reducing there gives, for any optimizer (built-in, schedule-driven or user subclass):
+
+* one fused collective per applied update, not one per micro-batch;
+* clipping applied to the global gradient, as a single process at the global batch does.
+
+The hook is installed on the optimizer object only (no Keras class is patched), so
+serialization (`model.save`) still records the user's own optimizer class.
+"""
+
+import types
+
+import keras
+
+_HOOKED = "_keras_dist_reduces_gradients"
+
+
+def reduce_gradients_before_update(optimizer, allreduce, all_finite=None):
+    """Makes `optimizer` pass its gradients through `allreduce` before each update.
+
+    Args:
+        optimizer: a Keras 3 optimizer, possibly a `LossScaleOptimizer`.
+        allreduce: function from a list of gradient tensors to the reduced list; called
+            inside the compiled train step.
+        all_finite: function from this process's "gradients are finite" boolean tensor to
+            the logical AND over processes. Needed for loss scaling: every process must
+            take the same skip-or-apply branch, or the collective inside it would hang.
+
+    Example:
+
+    ```python
+    reduce_gradients_before_update(model.optimizer, lambda g: hvd.grouped_allreduce(g))
+    ```
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if all_finite is not None:
+            local_check = optimizer.check_finite
+            _set(optimizer, "check_finite", types.MethodType(lambda self, grads: all_finite(local_check(grads)), optimizer))
+        optimizer = optimizer.inner_optimizer
+    if getattr(optimizer, _HOOKED, False):
+        return
+    clip = optimizer._clip_gradients
+
+    def reduce_then_clip(self, grads):
+        return clip(list(allreduce(grads)))
+
+    _set(optimizer, "_clip_gradients", types.MethodType(reduce_then_clip, optimizer))
+    _set(optimizer, _HOOKED, True)
+
+
+def _set(obj, name, value):
+    # Bypass the optimizer's tracking __setattr__: a bound method is not state to track.
+    object.__setattr__(obj, name, value)

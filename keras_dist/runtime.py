@@ -1,0 +1,45 @@
+"""The process-wide backend: chosen once, by `init`, and shared by everything else."""
+
+from keras_dist import backends
+from keras_dist.errors import KerasDistError
+
+_current = None
+
+
+def init(backend=None):
+    """Starts keras_dist in this process and returns the active backend.
+
+    Calling it is optional: `keras_dist.compile` calls it. Call it yourself to pick a
+    backend explicitly or to read the topology before building the model.
+
+    Args:
+        backend: a backend name (see `keras_dist.backends.REGISTRY`); default: the
+            `KERAS_DIST_BACKEND` environment variable, else the launcher detected.
+
+    Returns:
+        The backend, with `name`, `rank`, `size`, `local_rank`, `is_chief` and
+        `num_replicas`.
+
+    Example:
+
+    ```python
+    ctx = keras_dist.init()
+    print(ctx.name, ctx.rank, ctx.size, ctx.is_chief)
+    ```
+    """
+    global _current
+    name, _ = backends.select(backend)
+    if _current is not None:
+        if backend and backend != _current.name:
+            raise KerasDistError(
+                f"keras_dist already runs the {_current.name!r} backend; call "
+                f"keras_dist.init(backend={backend!r}) before anything else uses keras_dist"
+            )
+        return _current
+    _current = backends.create(name)
+    return _current
+
+
+def current():
+    """The active backend, starting the default one if `init` was not called."""
+    return _current if _current is not None else init()

@@ -1,0 +1,179 @@
+"""Runs one compiled model's `fit`, `evaluate` and `predict` on the active backend.
+
+`attach` replaces those three methods on the model object only (no Keras class is
+patched). Each wrapper splits the inputs, adjusts callbacks and verbosity for this
+worker, then calls Keras's own method, so every Keras argument keeps its meaning.
+Where the backend reduces in keras_dist (Horovod), `get_metrics_result` is wrapped too:
+Keras calls it inside the train step and at the end of every epoch and evaluation, so
+summing metric states across processes there makes every log global, on every worker.
+"""
+
+import contextlib
+import inspect
+import types
+
+import tensorflow as tf
+
+from keras_dist import sharding
+from keras_dist.callbacks.chief_only import callbacks_for_this_worker
+from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
+from keras_dist.errors import KerasDistError
+
+_INPUT_NAMES = ("x", "y", "sample_weight")
+
+
+class DistributedTraining:
+    """The per-model state behind the wrapped methods."""
+
+    def __init__(self, model, backend):
+        self.model = model
+        self.backend = backend
+        self.keras_fit = model.fit
+        self.keras_evaluate = model.evaluate
+        self.keras_predict = model.predict
+        self.keras_get_metrics_result = model.get_metrics_result
+        self.in_fit = False
+        self.in_evaluate = False
+        self.synced = False
+
+    # --- inputs ---------------------------------------------------------------
+    @property
+    def num_shards(self):
+        return self.backend.input_shard_count
+
+    def _process_batch(self, batch_size):
+        return None if batch_size is None else batch_size * self.backend.replicas_per_process
+
+    def _split(self, args, pad, batch_key="batch_size"):
+        """Replaces x/y/sample_weight in `args` with this process's shard."""
+        x = args.get("x")
+        batch = self._process_batch(args.get(batch_key))
+        if isinstance(x, tf.data.Dataset):
+            args["x"] = sharding.shard_dataset(x, self.num_shards, self.backend.input_shard_index, pad, batch)
+            return
+        if x is None or not sharding.is_array_input(x):
+            if self.num_shards > 1:
+                raise KerasDistError(
+                    f"keras_dist cannot split a {type(x).__name__} across {self.num_shards} processes; "
+                    "pass NumPy arrays or a tf.data.Dataset"
+                )
+            return
+        arrays = {k: args[k] for k in _INPUT_NAMES if k in args}
+        args.update(sharding.shard_arrays(arrays, self.num_shards, self.backend.input_shard_index, pad))
+        if batch is not None:
+            args[batch_key] = batch
+
+    def _split_validation(self, args):
+        if args.get("validation_split") and args.get("validation_data") is None and sharding.is_array_input(args.get("x")):
+            # Split before sharding, as Keras would on one process: the last fraction.
+            arrays = {k: args.get(k) for k in _INPUT_NAMES}
+            length = len(next(a for a in arrays.values() if a is not None))
+            cut = int(length * (1.0 - args["validation_split"]))
+            args.update({k: None if a is None else a[:cut] for k, a in arrays.items()})
+            args["validation_data"] = tuple(None if a is None else a[cut:] for a in arrays.values())
+            args["validation_split"] = 0.0
+        validation = args.get("validation_data")
+        if validation is None:
+            return
+        if isinstance(validation, tf.data.Dataset):
+            val = {"x": validation}
+        else:
+            val = dict(zip(_INPUT_NAMES, validation))
+        val["batch_size"] = args.get("validation_batch_size") or args.get("batch_size")
+        self._split(val, pad=False)
+        args["validation_data"] = val["x"] if isinstance(validation, tf.data.Dataset) else tuple(val.get(k) for k in _INPUT_NAMES)
+        if args.get("validation_batch_size") is not None:
+            args["validation_batch_size"] = val["batch_size"]
+
+    # --- wrapped methods --------------------------------------------------------
+    def _worker_args(self, method, args, kwargs):
+        bound = inspect.signature(method).bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        extra = arguments.pop("kwargs", {})
+        arguments.update(extra)
+        arguments["callbacks"] = callbacks_for_this_worker(arguments.get("callbacks"), self.backend)
+        if not self.backend.is_chief:
+            arguments["verbose"] = 0
+        return arguments
+
+    def fit(self, *args, **kwargs):
+        arguments = self._worker_args(self.keras_fit, args, kwargs)
+        self._split_validation(arguments)
+        self._split(arguments, pad=True)
+        if self.backend.size > 1:
+            arguments["callbacks"].append(SyncInitialState(self.backend))
+        with self._flag("in_fit"):
+            history = self.keras_fit(**arguments)
+        self.synced = True
+        return history
+
+    def evaluate(self, *args, **kwargs):
+        if self.in_fit:  # validation inside fit: inputs already split
+            with self._flag("in_evaluate"):
+                return self.keras_evaluate(*args, **kwargs)
+        arguments = self._worker_args(self.keras_evaluate, args, kwargs)
+        self._split(arguments, pad=False)
+        self._sync_once()
+        with self._flag("in_evaluate"):
+            return self.keras_evaluate(**arguments)
+
+    def predict(self, *args, **kwargs):
+        arguments = self._worker_args(self.keras_predict, args, kwargs)
+        self._split(arguments, pad=False)
+        self._sync_once()
+        outputs = self.keras_predict(**arguments)
+        if self.num_shards == 1:
+            return outputs
+        return sharding.gather_interleaved(self.backend, outputs, self.num_shards)
+
+    def get_metrics_result(self):
+        """Model metrics computed from their states summed over every process.
+
+        Inside the compiled test step it stays local: evaluation shards may differ by one
+        batch across processes, so only the final, eager call reduces.
+        """
+        if self.in_evaluate and tf.inside_function():
+            return self.keras_get_metrics_result()
+        metrics = self.model.metrics
+        states = [v.value for m in metrics for v in m.variables]
+        if not states:
+            return self.keras_get_metrics_result()
+        summed = list(self.backend.sum_across_processes_in_graph(states))
+        results = {}
+        for metric in metrics:
+            count = len(metric.variables)
+            result = metric.stateless_result(summed[:count])
+            summed = summed[count:]
+            if isinstance(result, dict):
+                results.update(result)
+            else:
+                results[metric.name] = result
+        return results
+
+    def _sync_once(self):
+        if not self.synced and self.backend.size > 1:
+            sync_model_state(self.model, self.backend)
+            self.synced = True
+
+    @contextlib.contextmanager
+    def _flag(self, name):
+        previous = getattr(self, name)
+        setattr(self, name, True)
+        try:
+            yield
+        finally:
+            setattr(self, name, previous)
+
+
+def attach(model, backend):
+    """Makes `model.fit/evaluate/predict` run distributed on `backend`."""
+    training = DistributedTraining(model, backend)
+    overrides = ["fit", "evaluate", "predict"]
+    if backend.reduces_in_keras_dist:
+        overrides.append("get_metrics_result")
+    for name in overrides:
+        # object.__setattr__: bypass Keras's attribute tracking, these are not state.
+        object.__setattr__(model, name, getattr(training, name))
+    object.__setattr__(model, "_keras_dist", training)
+    return training

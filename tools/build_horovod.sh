@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Builds a Horovod wheel from its PyPI sdist against the TensorFlow installed in the
+# current Python, caches it under .cache/wheels, and installs it.
+#
+# Why a build of our own: Horovod 0.28.1 (its last release) does not compile against
+# TF >= 2.19, because horovod/tensorflow/xla_mpi_ops.cc includes XLA headers that moved.
+# Those XLA ops are optional (HOROVOD_ENABLE_XLA_OPS, off by default) and GPU-only, so we
+# compile that file's body only for GPU builds on TF < 2.19. Everything else is stock.
+#
+# Env: PYTHON (default: python), HOROVOD_VERSION (default 0.28.1).
+# GPU: when nvcc and NCCL are found, the build uses NCCL for all-reduce (HOROVOD_GPU_OPERATIONS=NCCL).
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-python}
+version=${HOROVOD_VERSION:-0.28.1}
+
+for tool in gcc g++ cmake; do
+  command -v "$tool" >/dev/null || { echo "error: '$tool' not found; install it first (Debian/Ubuntu: apt-get install -y ${tool/g++/g++} )" >&2; exit 1; }
+done
+
+tf_version=$("$PYTHON" -c 'import tensorflow as tf; print(tf.__version__)' 2>/dev/null) \
+  || { echo "error: TensorFlow is not importable by $PYTHON; install tensorflow (or tensorflow-cpu) first" >&2; exit 1; }
+gpu=cpu
+if command -v nvcc >/dev/null && "$PYTHON" -c 'import tensorflow as tf, sys; sys.exit(not tf.test.is_built_with_cuda())'; then
+  gpu=cuda
+fi
+
+cache="$here/.cache/wheels/horovod-$version-tf$tf_version-$gpu"
+if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  "$PYTHON" -m pip download -q --no-deps --no-binary :all: "horovod==$version" -d "$work"
+  tar -xzf "$work"/horovod-"$version".tar.gz -C "$work"
+  src="$work/horovod-$version"
+  # The XLA custom-call ops: only for GPU builds on TF < 2.19 (see header comment).
+  sed -i 's/^#if TENSORFLOW_VERSION >= 2006000000$/#if TENSORFLOW_VERSION >= 2006000000 \&\& TENSORFLOW_VERSION < 2019000000 \&\& HAVE_GPU/' \
+    "$src/horovod/tensorflow/xla_mpi_ops.cc"
+  grep -q 'TENSORFLOW_VERSION < 2019000000 && HAVE_GPU' "$src/horovod/tensorflow/xla_mpi_ops.cc" \
+    || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
+  export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+  command -v mpicxx >/dev/null || export HOROVOD_WITHOUT_MPI=1
+  [ "$gpu" = cuda ] && export HOROVOD_GPU_OPERATIONS=NCCL
+  export MAKEFLAGS="-j$(nproc)"
+  echo "building Horovod $version against TensorFlow $tf_version ($gpu); this takes a few minutes once" >&2
+  "$PYTHON" -m pip install -q packaging cloudpickle psutil pyyaml >/dev/null
+  "$PYTHON" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" "$src" >"$work/build.log" 2>&1 \
+    || { tail -n 40 "$work/build.log" >&2; echo "error: Horovod build failed (log above)" >&2; exit 1; }
+  mkdir -p "$cache"
+  cp "$work"/dist/horovod-*.whl "$cache"/
+fi
+"$PYTHON" -m pip install -q --no-deps --force-reinstall "$cache"/horovod-*.whl
+"$PYTHON" -m pip install -q cloudpickle psutil pyyaml packaging >/dev/null
+"$PYTHON" -c 'import horovod.tensorflow as hvd' || { echo "error: the Horovod wheel does not import; delete $cache and rerun" >&2; exit 1; }
