@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds a Horovod wheel from its PyPI sdist against the TensorFlow installed in the
-# current Python, caches it under .cache/wheels, and installs it.
+# current Python, caches it under ~/.cache/keras_dist/wheels (or $KERAS_DIST_CACHE), and
+# installs it. Later runs, from any checkout, reuse the cached wheel.
 #
 # Why a build of our own: Horovod 0.28.1 (its last release) does not compile against
 # TF >= 2.19, because horovod/tensorflow/xla_mpi_ops.cc includes XLA headers that moved.
@@ -25,7 +26,7 @@ if command -v nvcc >/dev/null && "$PYTHON" -c 'import tensorflow as tf, sys; sys
   gpu=cuda
 fi
 
-cache="$here/.cache/wheels/horovod-$version-tf$tf_version-$gpu"
+cache="${KERAS_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/keras_dist}/wheels/horovod-$version-tf$tf_version-$gpu"
 if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT

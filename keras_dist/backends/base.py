@@ -52,6 +52,13 @@ class Backend(abc.ABC):
         return False
 
     @classmethod
+    def local_tasks(cls, num_workers: int, num_ps: int, argv: list) -> list:
+        """The processes (`keras_dist.launcher.Task`) that run `argv` as a local cluster."""
+        from keras_dist.errors import KerasDistError
+
+        raise KerasDistError(f"backend {cls.name!r} has no local launcher; run the script directly")
+
+    @classmethod
     def prepare_process(cls, environ) -> None:
         """Called at `import keras_dist`, before TensorFlow starts, when `detect` is true.
 

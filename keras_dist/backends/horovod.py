@@ -6,6 +6,8 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 
 import itertools
 import os
+import shutil
+import sys
 
 from keras_dist.backends.base import Backend, GradientOptions
 from keras_dist.errors import KerasDistError
@@ -55,6 +57,18 @@ class HorovodBackend(Backend):
         local_size = next((int(environ[v]) for v in _LOCAL_SIZE_VARS if v in environ), 1)
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_size))
+
+    @classmethod
+    def local_tasks(cls, num_workers, num_ps, argv):
+        from keras_dist.launcher import Task
+
+        if num_ps:
+            raise KerasDistError("backend 'horovod' has no parameter servers; drop --ps")
+        horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        if horovodrun is None:
+            raise KerasDistError("horovodrun not found; build Horovod with tools/build_horovod.sh")
+        command = [horovodrun, "-np", str(num_workers), "-H", f"localhost:{num_workers}", "--gloo", sys.executable, *argv]
+        return [Task("horovod", command, prefix_output=False)]
 
     def __init__(self):
         self._hvd = _import_horovod()

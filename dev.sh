@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The project's two entry points; each first creates (or reuses) what it needs:
+#   ./dev.sh train   train the example with 2 Horovod processes on this machine
+#   ./dev.sh test    run the test suite (extra arguments go to pytest)
+# Needs Python >= 3.10 with venv and pip, gcc/g++ and cmake (Horovod is compiled once).
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+
+need() { command -v "$1" >/dev/null || { echo "error: '$1' not found; install it first ($2)" >&2; exit 1; }; }
+need "$PYTHON" "Python 3.10 or newer"
+need gcc "Debian/Ubuntu: apt-get install -y gcc"
+need g++ "Debian/Ubuntu: apt-get install -y g++"
+need cmake "Debian/Ubuntu: apt-get install -y cmake, or pip install cmake"
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv || { echo "error: '$PYTHON -m venv' failed; install the venv module (Debian/Ubuntu: apt-get install -y python3-venv)" >&2; exit 1; }
+fi
+# Reinstall only when the dependency list or the Horovod build recipe changed.
+stamp=".venv/.deps-$(cat setup.cfg tools/build_horovod.sh | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then tf="tf-gpu"; else tf="tf-cpu"; fi
+  .venv/bin/python -m pip install -q -e ".[$tf,tfds,test]"
+  PYTHON=.venv/bin/python tools/build_horovod.sh
+  rm -f .venv/.deps-*
+  touch "$stamp"
+fi
+
+case "${1:-}" in
+  train)
+    shift
+    exec .venv/bin/keras-dist launch --backend horovod -n 2 examples/train_distributed.py "$@"
+    ;;
+  test)
+    shift
+    exec .venv/bin/python -m pytest "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh train|test [args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,66 @@
+"""The `keras-dist` command: `launch` a script as a local cluster, or show `info`."""
+
+import argparse
+import json
+import os
+import sys
+
+from keras_dist import backends
+from keras_dist.errors import KerasDistError
+
+
+def _launch(args):
+    if args.num_workers < 1:
+        raise KerasDistError(f"-n must be at least 1, got {args.num_workers}")
+    if args.ps < 0:
+        raise KerasDistError(f"--ps must be 0 or more, got {args.ps}")
+    if not os.path.isfile(args.script):
+        raise KerasDistError(f"script {args.script!r} not found; give the path of a Python file")
+    from keras_dist import launcher
+
+    tasks = backends.backend_class(args.backend).local_tasks(args.num_workers, args.ps, [args.script, *args.script_args])
+    return launcher.run_tasks(tasks)
+
+
+def _info(args):
+    import keras
+    import tensorflow as tf
+
+    name, reason = backends.select()
+    facts = {"backend": name, "why": reason, "tensorflow": tf.__version__, "keras": keras.__version__,
+             "devices": [d.name for d in tf.config.list_logical_devices()]}
+    try:
+        import horovod.tensorflow as hvd
+
+        facts["horovod"] = {"gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": bool(hvd.nccl_built())}
+    except Exception as exc:  # Not installed or not built with TensorFlow: say which.
+        facts["horovod"] = f"unavailable: {exc}"
+    if args.topology:
+        from keras_dist.runtime import init
+
+        facts.update(init().describe())
+    print(json.dumps(facts, indent=2))
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="keras-dist", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    launch = commands.add_parser("launch", help="run a script as a local cluster on this machine")
+    launch.add_argument("--backend", default="horovod", choices=[n for n in backends.REGISTRY if n != "single"])
+    launch.add_argument("-n", "--num-workers", type=int, default=2)
+    launch.add_argument("--ps", type=int, default=0, help="parameter-server tasks (parameter_server backend)")
+    launch.add_argument("script")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER)
+    info = commands.add_parser("info", help="what keras_dist detects in this process")
+    info.add_argument("--topology", action="store_true", help="also start the backend and report rank and size")
+    args = parser.parse_args(argv)
+    try:
+        return _launch(args) if args.command == "launch" else _info(args)
+    except KerasDistError as exc:
+        print(f"keras-dist: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
