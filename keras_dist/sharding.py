@@ -82,13 +82,19 @@ def shard_dataset(dataset, num_shards, index, pad, batch_size=None):
             lambda w, h: tree.map_structure(lambda a, b: tf.concat([a, b], 0)[:num_shards], w, h)
         )
     else:
-        windows = windows.filter(lambda w: tf.shape(tree.flatten(w)[0])[0] > index)
-    shard = windows.map(lambda w: tree.map_structure(lambda a: a[index], w)).batch(batch_size, drop_remainder=drop_remainder)
+        windows = windows.filter(_whole_element(lambda w: tf.shape(tree.flatten(w)[0])[0] > index))
+    shard = windows.map(_whole_element(lambda w: tree.map_structure(lambda a: a[index], w)))
+    shard = shard.batch(batch_size, drop_remainder=drop_remainder)
     global_batches = dataset.cardinality()
     if pad and not drop_remainder and own_batch == batch_size and global_batches >= 0:
         # ceil(ceil(M / N) / B) == ceil(ceil(M / B) / N): lets Keras size its progress bar.
         shard = shard.apply(tf.data.experimental.assert_cardinality(-(-global_batches // num_shards)))
     return shard.prefetch(tf.data.AUTOTUNE)
+
+
+def _whole_element(fn):
+    # tf.data passes a tuple element as separate arguments; hand `fn` the element itself.
+    return lambda *parts: fn(parts if len(parts) > 1 else parts[0])
 
 
 def gather_interleaved(backend, local_outputs, num_shards):
