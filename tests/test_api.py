@@ -1,0 +1,123 @@
+"""Single-process behaviour: selection, bad input, sharding, and the plain-process path."""
+
+import numpy as np
+import keras
+import pytest
+import tensorflow as tf
+
+import keras_dist
+from keras_dist import backends, sharding
+from keras_dist.errors import KerasDistError
+
+from conftest import BIN, PYTHON, ROOT, run
+
+
+def small_model():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu"), keras.layers.Dense(1)])
+
+
+def test_without_a_launcher_the_script_runs_as_one_plain_process(capsys):
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    plain = small_model()
+    plain.compile(optimizer="adam", loss="mse")
+    plain.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    distributed = small_model()
+    keras_dist.compile(distributed, optimizer="adam", loss="mse")
+    distributed.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    for a, b in zip(plain.get_weights(), distributed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert keras_dist.current().name == "single"
+    assert capsys.readouterr().out == ""  # quiet
+
+
+def test_init_reports_topology():
+    ctx = keras_dist.init()
+    assert (ctx.name, ctx.rank, ctx.size, ctx.local_rank, ctx.is_chief) == ("single", 0, 1, 0, True)
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, "single"),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, "horovod"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, "horovod"),
+    ({"HOROVOD_RANK": "0", "KERAS_DIST_BACKEND": "single"}, "single"),
+])
+def test_backend_selection_from_the_environment(environ, expected):
+    assert backends.select(environ=environ)[0] == expected
+
+
+def test_explicit_backend_wins_over_environment():
+    assert backends.select("horovod", environ={"KERAS_DIST_BACKEND": "single"})[0] == "horovod"
+
+
+def test_unknown_backend_is_a_one_line_error():
+    with pytest.raises(KerasDistError, match="unknown keras_dist backend 'bogus'; choose one of: horovod"):
+        backends.backend_class("bogus")
+
+
+def test_compile_refuses_what_is_not_a_model():
+    with pytest.raises(KerasDistError, match=r"expects a keras.Model .* got Dense; call keras_dist.compile\(model"):
+        keras_dist.compile(keras.layers.Dense(1), optimizer="sgd", loss="mse")
+
+
+def test_compile_refuses_unknown_reduction():
+    with pytest.raises(KerasDistError, match="gradient_reduction must be 'mean' or 'sum'"):
+        keras_dist.compile(small_model(), optimizer="sgd", loss="mse", gradient_reduction="max")
+
+
+def test_horovod_requested_but_not_installed_names_the_fix():
+    script = ("import sys; sys.modules['horovod'] = None\n"  # as if Horovod were not installed
+              "import keras_dist; keras_dist.init(backend='horovod')")
+    code, out = run([PYTHON, "-c", script], timeout=120)
+    assert code != 0
+    assert "KerasDistError: backend 'horovod' needs Horovod: run `tools/build_horovod.sh`" in out
+
+
+def test_arrays_are_interleaved_and_padded_only_for_training():
+    x = np.arange(7)
+    assert [list(sharding.shard_arrays(x, 3, r, pad=False)) for r in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
+    assert [list(sharding.shard_arrays(x, 3, r, pad=True)) for r in range(3)] == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]
+    shards = sharding.shard_arrays({"x": x, "y": x * 10, "sample_weight": None}, 2, 1, pad=False)
+    assert list(shards["y"]) == [10, 30, 50] and shards["sample_weight"] is None
+
+
+def test_datasets_are_interleaved_by_element_and_rebatched_per_replica():
+    dataset = tf.data.Dataset.range(11).map(lambda i: (i, -i)).batch(4)
+    shards = [list(sharding.shard_dataset(dataset, 3, r, pad=False).as_numpy_iterator()) for r in range(3)]
+    assert [list(b[0]) for b in shards[0]] == [[0, 3, 6, 9]]
+    assert [list(b[1]) for b in shards[2]] == [[-2, -5, -8]]
+    padded = [list(sharding.shard_dataset(dataset, 3, r, pad=True).as_numpy_iterator()) for r in range(3)]
+    assert [[list(b[0]) for b in shard] for shard in padded] == [[[0, 3, 6, 9]], [[1, 4, 7, 10]], [[2, 5, 8, 0]]]
+    assert sharding.shard_dataset(dataset, 3, 0, pad=True).cardinality() == 1
+
+
+def test_unbatched_dataset_is_a_one_line_error():
+    with pytest.raises(KerasDistError, match=r"not batched; call .batch\(batch_size\)"):
+        sharding.shard_dataset(tf.data.Dataset.range(4), 2, 0, pad=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["launch", "-n", "0", "x.py"], "-n must be at least 1"),
+    (["launch", "-n", "2", "missing.py"], "script 'missing.py' not found"),
+    (["launch", "--backend", "horovod", "--ps", "1", "-n", "2", "examples/train.py"], "has no parameter servers"),
+])
+def test_launcher_bad_input_is_a_one_line_error(args, message):
+    code, out = run([BIN / "keras-dist", *args], timeout=60, cwd=ROOT)
+    assert code == 2
+    assert out.strip().splitlines()[-1].startswith("keras-dist: error: ") and message in out
+
+
+def test_launcher_rejects_unknown_backend():
+    code, out = run([BIN / "keras-dist", "launch", "--backend", "bogus", "x.py"], timeout=60)
+    assert code == 2 and "invalid choice: 'bogus'" in out
+
+
+def test_launch_fails_fast_when_one_task_dies(tmp_path):
+    script = tmp_path / "one_dies.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['HOROVOD_RANK'] == '1': sys.exit(7)\n"
+                      "time.sleep(600)\n")
+    code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=90)
+    assert code != 0
+    assert "exited with" in out
