@@ -51,6 +51,7 @@ def compile(
         raise KerasDistError(f"gradient_compression must be None or 'fp16', got {gradient_compression!r}")
     backend = runtime.current()
     backend.prepare_model(model)
+    kwargs = {**backend.compile_defaults(), **kwargs}
     with backend.scope():
         model.compile(*args, **kwargs)
         if scale_learning_rate:

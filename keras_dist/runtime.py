@@ -6,7 +6,7 @@ from keras_dist.errors import KerasDistError
 _current = None
 
 
-def init(backend=None):
+def init(backend=None, **options):
     """Starts keras_dist in this process and returns the active backend.
 
     Calling it is optional: `keras_dist.compile` calls it. Call it yourself to pick a
@@ -15,6 +15,7 @@ def init(backend=None):
     Args:
         backend: a backend name (see `keras_dist.backends.REGISTRY`); default: the
             `KERAS_DIST_BACKEND` environment variable, else the launcher detected.
+        **options: backend options, e.g. `tpu="my-tpu"` for the `tpu` backend.
 
     Returns:
         The backend, with `name`, `rank`, `size`, `local_rank`, `is_chief` and
@@ -36,7 +37,7 @@ def init(backend=None):
                 f"keras_dist.init(backend={backend!r}) before anything else uses keras_dist"
             )
         return _current
-    _current = backends.create(name)
+    _current = backends.create(name, **options)
     return _current
 
 

@@ -121,3 +121,8 @@ def test_launch_fails_fast_when_one_task_dies(tmp_path):
     code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=90)
     assert code != 0
     assert "exited with" in out
+
+
+def test_backend_options_are_checked():
+    with pytest.raises(KerasDistError, match="backend 'single' takes no option tpu; remove it from keras_dist.init"):
+        backends.create("single", tpu="my-tpu")

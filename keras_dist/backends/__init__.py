@@ -7,6 +7,7 @@ Selection order (first match wins), documented in the README:
 """
 
 import importlib
+import inspect
 import os
 
 from keras_dist.errors import KerasDistError
@@ -14,6 +15,9 @@ from keras_dist.errors import KerasDistError
 # name -> "module:Class". Order is detection order. Adding a backend adds one line here.
 REGISTRY = {
     "horovod": "keras_dist.backends.horovod:HorovodBackend",
+    "multi_worker_mirrored": "keras_dist.backends.multi_worker_mirrored:MultiWorkerMirroredBackend",
+    "tpu": "keras_dist.backends.tpu:TPUBackend",
+    "mirrored": "keras_dist.backends.mirrored:MirroredBackend",
     "single": "keras_dist.backends.single:SingleBackend",
 }
 
@@ -43,5 +47,10 @@ def select(requested=None, environ=None):
     return "single", "no launcher detected"
 
 
-def create(name):
-    return backend_class(name)()
+def create(name, **options):
+    """A started backend; `options` go to its constructor (e.g. `tpu=` for `tpu`)."""
+    cls = backend_class(name)
+    unknown = set(options) - set(inspect.signature(cls.__init__).parameters)
+    if unknown:
+        raise KerasDistError(f"backend {name!r} takes no option {', '.join(sorted(unknown))}; remove it from keras_dist.init")
+    return cls(**options)

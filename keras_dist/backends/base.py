@@ -105,6 +105,10 @@ class Backend(abc.ABC):
         """Context under which the model's and optimizer's variables must be created."""
         return contextlib.nullcontext()
 
+    def compile_defaults(self) -> dict:
+        """`model.compile` arguments this backend needs unless the user gave them."""
+        return {}
+
     def prepare_model(self, model):
         """Returns the model to train (the same object unless variables had to move)."""
         return model

@@ -1,0 +1,40 @@
+"""`tf.distribute.MirroredStrategy`: one process, one replica per local GPU (or CPU device)."""
+
+import os
+
+from keras_dist.backends.tf_strategy import StrategyBackend
+from keras_dist.errors import KerasDistError
+
+
+def _visible_gpu_count(environ):
+    """GPUs named by CUDA_VISIBLE_DEVICES, or None when it is unset (we do not probe)."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return len([d for d in value.split(",") if d.strip() and d.strip() != "-1"])
+
+
+class MirroredBackend(StrategyBackend):
+    """Synchronous data parallelism over the devices of one machine.
+
+    Selected when `CUDA_VISIBLE_DEVICES` names more than one GPU (detection only reads
+    the environment), or with `KERAS_DIST_BACKEND=mirrored`. Uses every GPU, else every
+    logical CPU device (`tf.config.set_logical_device_configuration`), so it can be
+    tried on a laptop. Per-replica batch: `fit(batch_size=B)` trains at B x replicas.
+    """
+
+    name = "mirrored"
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        return (_visible_gpu_count(environ) or 0) > 1 and "TF_CONFIG" not in environ
+
+    def make_strategy(self):
+        import tensorflow as tf
+
+        devices = [d.name for d in tf.config.list_logical_devices("GPU")]
+        if not devices:
+            devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+        if not devices:
+            raise KerasDistError("backend 'mirrored' found no GPU or CPU device; check CUDA_VISIBLE_DEVICES")
+        return tf.distribute.MirroredStrategy(devices)

@@ -1,0 +1,393 @@
+"""`tf.distribute.MultiWorkerMirroredStrategy`: one process per machine, set up by TF_CONFIG.
+
+keras_dist splits the inputs by worker (interleaved, as for every backend); the strategy
+gets each worker's shard as it is, with TF's own auto-sharding off, and hands each local
+replica its own batches.
+"""
+
+import contextlib
+import copy
+import functools
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import warnings
+
+import keras
+
+from keras_dist.backends.tf_strategy import StrategyBackend
+from keras_dist.errors import KerasDistError
+
+_MEMBERS = ("chief", "worker")  # task types that train; "evaluator" does not
+_EXAMPLE = '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}}'
+# Created by `prepare_process`: collective ops must be configured at program start-up.
+_strategy = None
+
+
+def parse_tf_config(text):
+    """`(cluster, task_type, task_index)` from a TF_CONFIG string, with one-line errors.
+
+    Args:
+        text: the value of the TF_CONFIG environment variable.
+
+    Example:
+
+    ```python
+    cluster, kind, index = parse_tf_config(os.environ["TF_CONFIG"])
+    ```
+    """
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise KerasDistError(f"TF_CONFIG is not valid JSON ({exc}); set it like {_EXAMPLE}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
+        raise KerasDistError(f'TF_CONFIG has no "cluster" object; set it like {_EXAMPLE}')
+    cluster = config["cluster"]
+    task = config.get("task")
+    if not isinstance(task, dict) or "type" not in task:
+        raise KerasDistError('TF_CONFIG has no "task"; add "task": {"type": "worker", "index": N} for this process')
+    kind, index = task["type"], task.get("index", 0)
+    if kind not in cluster:
+        raise KerasDistError(f"TF_CONFIG task type {kind!r} is not in its cluster ({', '.join(cluster)}); use one of those")
+    if not isinstance(index, int) or not 0 <= index < len(cluster[kind]):
+        raise KerasDistError(
+            f"TF_CONFIG task index {index!r} is out of range: the cluster has {len(cluster[kind])} "
+            f"{kind!r} tasks; use an index from 0 to {len(cluster[kind]) - 1}"
+        )
+    addresses = [a for tasks in cluster.values() for a in tasks]
+    duplicates = sorted({a for a in addresses if addresses.count(a) > 1})
+    if duplicates:
+        raise KerasDistError(f"TF_CONFIG lists {duplicates[0]} more than once; give every task its own host:port")
+    return cluster, kind, index
+
+
+class MultiWorkerMirroredBackend(StrategyBackend):
+    """Synchronous data parallelism across machines with collective all-reduce.
+
+    Selected when TF_CONFIG describes a cluster without parameter servers. Launch with
+    `keras-dist launch --backend multi_worker_mirrored -n 2 train.py`, or set TF_CONFIG
+    on each machine. The chief is the `chief` task, else worker 0. Import keras_dist
+    before building any model: the strategy must start before TensorFlow does.
+    """
+
+    name = "multi_worker_mirrored"
+    saves_are_collective = True
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        text = environ.get("TF_CONFIG")
+        if not text:
+            return False
+        try:
+            cluster = json.loads(text).get("cluster")
+        except (ValueError, AttributeError):
+            return True  # a broken TF_CONFIG: the backend reports what is wrong
+        return bool(cluster) and not cluster.get("ps")
+
+    @classmethod
+    def prepare_process(cls, environ) -> None:
+        global _strategy
+        cluster, _, _ = parse_tf_config(environ["TF_CONFIG"])
+        local = [a for kind in _MEMBERS for a in cluster.get(kind, []) if a.startswith(("127.", "localhost"))]
+        if len(local) > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
+            # Workers sharing this machine would each size a thread pool for all of it.
+            environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(local)))
+        if _strategy is None:
+            _strategy = _make_strategy()
+
+    @classmethod
+    def local_tasks(cls, num_workers, num_ps, argv):
+        from keras_dist.launcher import Task, free_loopback_ports
+
+        if num_ps:
+            raise KerasDistError("backend 'multi_worker_mirrored' has no parameter servers; drop --ps")
+        workers = [f"127.0.0.1:{port}" for port in free_loopback_ports(num_workers)]
+        return [
+            Task(f"worker:{i}", [sys.executable, *argv],
+                 env={"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})})
+            for i in range(num_workers)
+        ]
+
+    def __init__(self):
+        cluster, kind, index = parse_tf_config(os.environ.get("TF_CONFIG", ""))
+        members = [(k, i) for k in _MEMBERS for i in range(len(cluster.get(k, [])))]
+        if (kind, index) not in members:
+            raise KerasDistError(f"TF_CONFIG task {kind!r} does not train under backend 'multi_worker_mirrored'; run it as a 'worker'")
+        self._rank, self._size = members.index((kind, index)), len(members)
+        super().__init__()
+
+    def make_strategy(self):
+        return _strategy if _strategy is not None else _make_strategy()
+
+    def prepare_model(self, model):
+        model = super().prepare_model(model)
+        predict_locally(model, self.strategy)
+        run_uneven_shards(model)
+        return model
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    # --- host-side collectives, built on the strategy's all-reduce ------------
+    def _sum(self, array):
+        """Sums a NumPy array over workers (each worker's first replica contributes)."""
+        import tensorflow as tf
+
+        local = self.replicas_per_process
+        value = tf.convert_to_tensor(array)
+        values = self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: value if ctx.replica_id_in_sync_group % local == 0 else tf.zeros_like(value)
+        )
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
+
+    def _gather_rows(self, array):
+        """Every worker's `array` (same trailing shape), concatenated in rank order."""
+        import numpy as np
+
+        lengths = self._sum(np.eye(self.size, dtype=np.int64)[self.rank] * len(array)).astype(int)
+        padded = np.zeros((self.size, int(lengths.max())) + array.shape[1:], dtype=array.dtype)
+        padded[self.rank, :len(array)] = array
+        summed = self._sum(padded)
+        return np.concatenate([summed[r, :n] for r, n in enumerate(lengths)])
+
+    def allgather_object(self, obj) -> list:
+        import numpy as np
+
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8).astype(np.int32)
+        lengths = self._sum(np.eye(self.size, dtype=np.int64)[self.rank] * len(data)).astype(int)
+        rows = self._gather_rows(data)
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        return [pickle.loads(rows[a:b].astype(np.uint8).tobytes()) for a, b in zip(starts[:-1], starts[1:])]
+
+    def broadcast_object(self, obj, root: int = 0):
+        return self.allgather_object(obj if self.rank == root else None)[root]
+
+    def broadcast_variables(self, variables, root: int = 0) -> None:
+        import numpy as np
+
+        for variable in variables:
+            value = np.asarray(variable.numpy())
+            variable.assign(self._sum(value if self.rank == root else np.zeros_like(value)))
+
+    def allgather_array(self, array):
+        import numpy as np
+
+        array = np.asarray(array)
+        if array.dtype == bool:
+            return self._gather_rows(array.astype(np.uint8)).astype(bool)
+        return self._gather_rows(array)
+
+    def barrier(self) -> None:
+        import numpy as np
+
+        self._sum(np.zeros(1, np.int32))
+
+    def redirect_to_scratch(self, callback):
+        return ScratchCallback(callback)
+
+
+def predict_locally(model, strategy):
+    """Makes `model.predict` return this worker's outputs only, in input order.
+
+    Keras all-gathers predictions across workers at every step, which suits TF's own
+    sharding; keras_dist already gathers the interleaved shards once, at the end.
+
+    Args:
+        model: the model; its `make_predict_function` is replaced on this instance only.
+        strategy: the model's MultiWorkerMirroredStrategy.
+    """
+    import tensorflow as tf
+    from keras import tree
+    from keras.src.backend.tensorflow.trainer import concat
+
+    @tf.function(reduce_retracing=True)
+    def one_step(data):
+        outputs = strategy.run(model.predict_step, args=(data,))
+        # Local replicas hold consecutive slices of this worker's batch.
+        return tree.map_structure(lambda v: concat(strategy.experimental_local_results(v)), outputs)
+
+    def predict_function(batches):  # Keras passes `steps_per_execution` batches
+        outputs = [one_step(batch) for batch in batches]
+        return tree.map_structure(lambda *parts: concat(list(parts)), *outputs)
+
+    def make_predict_function(force=False):
+        if model.predict_function is None or force:
+            model.predict_function = predict_function
+        return model.predict_function
+
+    object.__setattr__(model, "make_predict_function", make_predict_function)
+
+
+def _open_ended(x, y=None, sample_weight=None, batch_size=None):
+    """A dataset of the worker's inputs whose length TensorFlow cannot know in advance."""
+    import tensorflow as tf
+    from keras_dist import sharding
+
+    if isinstance(x, tf.data.Dataset):
+        dataset = x
+    elif sharding.is_array_input(x):
+        arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+        dataset = tf.data.Dataset.from_tensor_slices(arrays if len(arrays) > 1 else arrays[0]).batch(batch_size or 32)
+    else:
+        return None
+    # An unknown length makes Keras iterate until the strategy's iterator ends, which it
+    # does on every worker together; a known one would stop short workers early.
+    return dataset.filter(lambda *_: True)
+
+
+@contextlib.contextmanager
+def _quiet_end_of_data():
+    # Keras warns "Your input ran out of data" at the planned end of an open-ended input.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Your input ran out of data")
+        yield
+
+
+def run_uneven_shards(model):
+    """Lets workers evaluate and predict shards of different lengths without hanging.
+
+    Each step's batch fetch is a collective under MultiWorkerMirroredStrategy (workers
+    agree whether any data is left, and one out of data gets an empty batch), so every
+    worker must take the same number of steps; keras_dist does not pad evaluation shards.
+
+    Args:
+        model: the model; its `fit`, `evaluate` and `predict` are wrapped on this
+            instance only (keras_dist's own wrappers call these after splitting inputs).
+    """
+    keras_fit, keras_evaluate, keras_predict = model.fit, model.evaluate, model.predict
+
+    def fit(*args, validation_data=None, validation_batch_size=None, **kwargs):
+        if validation_data is not None:
+            parts = validation_data if isinstance(validation_data, tuple) else (validation_data,)
+            batch = validation_batch_size or kwargs.get("batch_size")
+            validation_data = _open_ended(*parts, batch_size=batch) or validation_data
+        return keras_fit(*args, validation_data=validation_data, validation_batch_size=None, **kwargs)
+
+    def evaluate(x=None, y=None, batch_size=None, sample_weight=None, **kwargs):
+        dataset = _open_ended(x, y, sample_weight, batch_size)
+        if dataset is None:
+            return keras_evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight, **kwargs)
+        with _quiet_end_of_data():
+            return keras_evaluate(dataset, **kwargs)
+
+    def predict(x, batch_size=None, **kwargs):
+        dataset = _open_ended(x, batch_size=batch_size)
+        with _quiet_end_of_data():
+            return keras_predict(x if dataset is None else dataset, **kwargs)
+
+    for method, keras_method in ((fit, keras_fit), (evaluate, keras_evaluate), (predict, keras_predict)):
+        # wraps: keras_dist binds arguments against Keras's own signature.
+        object.__setattr__(model, method.__name__, functools.wraps(keras_method)(method))
+
+
+def _make_strategy():
+    import tensorflow as tf
+
+    class PreShardedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+        """Takes each worker's dataset as that worker's shard (keras_dist split it).
+
+        TF would auto-shard the dataset again and split every batch across all the
+        cluster's replicas; here each local replica gets whole batches of the process
+        batch divided by the local replica count, and steps stay as Keras counts them.
+        """
+
+        def experimental_distribute_dataset(self, dataset, options=None):
+            from keras_dist import sharding
+
+            local = len(self.extended.worker_devices)
+            no_autoshard = tf.data.Options()
+            no_autoshard.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+            dataset = dataset.with_options(no_autoshard)
+            if local > 1:
+                batch, _ = sharding.dataset_batch_size(dataset)
+                dataset = dataset.rebatch(-(-batch // local))
+            return self.distribute_datasets_from_function(lambda _: dataset, options)
+
+    try:
+        return PreShardedMultiWorkerMirroredStrategy()
+    except RuntimeError as exc:
+        if "program startup" not in str(exc):
+            raise
+        raise KerasDistError(
+            "TensorFlow was already running when keras_dist started MultiWorkerMirroredStrategy; "
+            "`import keras_dist` before building any model or running TensorFlow ops"
+        ) from None
+
+
+class ScratchCallback(keras.callbacks.Callback):
+    """Runs a copy of a file-writing callback against a temporary directory.
+
+    MultiWorkerMirroredStrategy saves are collective, so every worker must save; non-chief
+    workers write into a scratch directory that is removed when the run ends.
+
+    Args:
+        callback: a `ModelCheckpoint`, `BackupAndRestore`, `TensorBoard` or `CSVLogger`.
+
+    Example:
+
+    ```python
+    callbacks = [ScratchCallback(keras.callbacks.ModelCheckpoint("best.keras"))]
+    ```
+    """
+
+    _PATH_ATTRIBUTES = ("filepath", "backup_dir", "log_dir", "filename")
+
+    def __init__(self, callback):
+        super().__init__()
+        self.directory = tempfile.mkdtemp(prefix="keras_dist_scratch_")
+        model = vars(callback).get("_model")
+        self.inner = copy.deepcopy(callback, {id(model): model} if model is not None else {})
+        for name in self._PATH_ATTRIBUTES:
+            original = getattr(self.inner, name, None)
+            if isinstance(original, (str, os.PathLike)):
+                self._move(os.fspath(original))
+        self._training = False
+
+    def _move(self, original):
+        replacement = os.path.join(self.directory, os.path.basename(original.rstrip(os.sep)) or "out")
+        for name, value in vars(self.inner).items():
+            if isinstance(value, str) and value.startswith(original):
+                setattr(self.inner, name, replacement + value[len(original):])
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.inner.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.inner.set_params(params)
+
+    def __getattribute__(self, name):
+        # Every `on_*` hook goes to the copy; cleanup follows the end of the run.
+        if name.startswith("on_") and name not in ("on_train_begin", "on_train_end", "on_test_end", "on_predict_end"):
+            return getattr(object.__getattribute__(self, "inner"), name)
+        return object.__getattribute__(self, name)
+
+    def on_train_begin(self, logs=None):
+        self._training = True
+        self.inner.on_train_begin(logs)
+
+    def on_train_end(self, logs=None):
+        self.inner.on_train_end(logs)
+        self._training = False
+        self._remove()
+
+    def on_test_end(self, logs=None):
+        self.inner.on_test_end(logs)
+        if not self._training:
+            self._remove()
+
+    def on_predict_end(self, logs=None):
+        self.inner.on_predict_end(logs)
+        self._remove()
+
+    def _remove(self):
+        shutil.rmtree(self.directory, ignore_errors=True)

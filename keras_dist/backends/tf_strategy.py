@@ -1,0 +1,95 @@
+"""What every `tf.distribute` backend shares: the strategy's scope and moving a model under it.
+
+A strategy replicates variables and reduces gradients and metric states inside Keras, so
+these backends hand out `strategy.scope()` and say how inputs are split; keras_dist does
+no reduction of its own (`reduces_in_keras_dist` stays False).
+"""
+
+import tensorflow as tf
+
+from keras_dist.backends.base import Backend, GradientOptions
+from keras_dist.errors import KerasDistError
+
+
+class StrategyBackend(Backend):
+    """A backend whose replicas are run by one `tf.distribute.Strategy`.
+
+    Subclasses implement `make_strategy`; single-process strategies keep `rank` 0 and
+    `size` 1 and feed `num_replicas` replicas from one input pipeline.
+    """
+
+    def __init__(self):
+        self.strategy = self.make_strategy()
+
+    def make_strategy(self):
+        """The `tf.distribute.Strategy` this backend runs (called once, in `__init__`)."""
+        raise NotImplementedError
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def size(self) -> int:
+        return 1
+
+    @property
+    def num_replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    def scope(self):
+        return self.strategy.scope()
+
+    def prepare_model(self, model):
+        """Moves `model`'s variables under the strategy, in place, keeping their values.
+
+        The usual script builds its model before `keras_dist.compile`, outside any scope;
+        each Keras variable then gets a new strategy-created `tf.Variable` holding its
+        current value, so the user's `model` object (and any reference to its layers or
+        weights) stays valid.
+        """
+        from keras_dist import keras_workarounds
+
+        move_variables(model, self.strategy)
+        # Keras reads the strategy from the model, set when it is built under a scope.
+        object.__setattr__(model, "_distribute_strategy", self.strategy)
+        keras_workarounds.apply(model, self.strategy)
+        return model
+
+    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+        # The strategy sums gradients of the loss Keras scales by 1/replicas: a mean.
+        if options.reduction != "mean":
+            raise KerasDistError(
+                f"backend {self.name!r} always averages gradients across replicas; "
+                "drop gradient_reduction='sum' (or scale the loss yourself)"
+            )
+
+    def describe(self) -> dict:
+        return {**super().describe(), "strategy": type(self.strategy).__name__}
+
+
+def move_variables(model, strategy):
+    """Re-creates every initialized variable of `model` under `strategy`, values kept.
+
+    Args:
+        model: a `keras.Model`, built or not (unbuilt layers are created later, under
+            the scope `keras_dist.compile` opens, or by Keras's build inside `fit`).
+        strategy: the `tf.distribute.Strategy` the variables must belong to.
+
+    Example:
+
+    ```python
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    move_variables(model, tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    ```
+    """
+    for variable in model.variables:
+        current = getattr(variable, "_value", None)
+        if current is None:  # not yet initialized: it will be created on first use
+            continue
+        if getattr(current, "_distribute_strategy", None) is strategy:
+            continue
+        value = tf.convert_to_tensor(current)
+        # init_scope: create eagerly even if a script calls compile inside a tf.function.
+        with strategy.scope(), tf.init_scope():
+            variable._initialize(value)

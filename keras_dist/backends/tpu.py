@@ -1,0 +1,81 @@
+"""`tf.distribute.TPUStrategy`: the cores of a Cloud TPU (TPU VM or TPU node)."""
+
+import glob
+
+from keras_dist.backends.tf_strategy import StrategyBackend
+from keras_dist.errors import KerasDistError
+
+# Steps run per host call unless the script sets `steps_per_execution` itself: a TPU
+# step is short, and a host round trip per step would leave the TPU idle.
+DEFAULT_STEPS_PER_EXECUTION = 32
+
+
+def tpu_address(environ, requested=None, device_globs=("/dev/accel*", "/dev/vfio/[0-9]*")):
+    """The `tpu` argument for `TPUClusterResolver`, or None when no TPU is in sight.
+
+    Args:
+        environ: the environment to read.
+        requested: a TPU name or address given by the user (wins over the environment).
+        device_globs: paths whose presence marks a TPU VM (the TPU is local).
+
+    Example:
+
+    ```python
+    tpu_address(os.environ)  # "my-tpu", "local" on a TPU VM, or None
+    ```
+    """
+    if requested:
+        return requested
+    for variable in ("TPU_NAME", "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS"):
+        if environ.get(variable):
+            return environ[variable]
+    if any(glob.glob(pattern) for pattern in device_globs):
+        return "local"
+    return None
+
+
+class TPUBackend(StrategyBackend):
+    """Synchronous data parallelism over TPU cores.
+
+    Selected when TPU_NAME or KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS is set (a TPU VM is used
+    with `KERAS_DIST_BACKEND=tpu`, or `keras_dist.init(backend="tpu")`). Name a TPU
+    explicitly with `keras_dist.init(backend="tpu", tpu=NAME)` or `KERAS_DIST_TPU`. `steps_per_execution` defaults to
+    `DEFAULT_STEPS_PER_EXECUTION` when the script does not set it.
+    """
+
+    name = "tpu"
+
+    def __init__(self, tpu=None):
+        self.requested_tpu = tpu  # keras_dist.init(backend="tpu", tpu=...)
+        super().__init__()
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        return bool(environ.get("TPU_NAME") or environ.get("KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS"))
+
+    def make_strategy(self):
+        import os
+
+        import tensorflow as tf
+
+        address = tpu_address(os.environ, self.requested_tpu or os.environ.get("KERAS_DIST_TPU"))
+        if address is None:
+            raise KerasDistError(
+                "backend 'tpu' found no TPU: set TPU_NAME (or KERAS_DIST_TPU) to your TPU's name, "
+                "or run on a TPU VM"
+            )
+        try:
+            resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
+            tf.config.experimental_connect_to_cluster(resolver)
+            tf.tpu.experimental.initialize_tpu_system(resolver)
+        except Exception as exc:  # resolver and runtime raise many types; say which TPU
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise KerasDistError(
+                f"backend 'tpu' could not reach TPU {address!r} ({first_line}); check TPU_NAME "
+                "and that this machine may use that TPU"
+            ) from None
+        return tf.distribute.TPUStrategy(resolver)
+
+    def compile_defaults(self):
+        """Arguments `model.compile` gets unless the script passes them."""
+        return {"steps_per_execution": DEFAULT_STEPS_PER_EXECUTION}

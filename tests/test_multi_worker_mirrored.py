@@ -1,0 +1,84 @@
+"""MultiWorkerMirroredStrategy backend: 2 real processes, TF_CONFIG on 127.0.0.1 ports."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+import runner  # noqa: E402
+
+from keras_dist import backends  # noqa: E402
+from keras_dist.backends.multi_worker_mirrored import MultiWorkerMirroredBackend, parse_tf_config  # noqa: E402
+from keras_dist.errors import KerasDistError  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+PLAIN = os.path.join(os.path.dirname(runner.WORKER), "plain_keras.py")
+
+
+def assert_close(a, b, atol=1e-5):
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.array(x), np.array(y), atol=atol)
+
+
+def test_two_workers_match_one_process_and_write_files_on_the_chief_only(tmp_path):
+    # 17 evaluation samples: shards of 9 and 8, two batches against one.
+    common = ("--samples", 72, "--eval-samples", 17)
+    (single,) = runner.train(tmp_path / "single", "single", "--batch", 16, *common)
+    workers = runner.train(tmp_path / "mwms", "mwms", "--batch", 8, "--steps-per-execution", 2, "--callbacks", *common)
+    for result in workers:
+        assert result["describe"]["num_replicas"] == 2
+        assert_close(result["weights"], single["weights"])
+        for key in ("loss", "mae"):  # every worker logs the global values
+            assert result["history"][key] == pytest.approx(single["history"][key], rel=1e-5)
+        assert result["evaluate"] == pytest.approx(single["evaluate"], rel=1e-5)
+        assert_close(result["predict"], single["predict"])
+    files = sorted(os.listdir(tmp_path / "mwms"))
+    assert files == ["ckpt.weights.h5", "log.csv", "result-0.json", "result-1.json"]  # backup removed at the end
+    assert not [d for d in os.listdir("/tmp") if d.startswith("keras_dist_scratch_") and
+                os.path.getmtime(os.path.join("/tmp", d)) > os.path.getmtime(tmp_path / "mwms" / "log.csv") - 60]
+
+
+def test_upstream_keras_20585_still_fails():
+    """Fails once Keras fixes keras-team/keras#20585 / tensorflow#72388: drop the workarounds."""
+    envs = runner.tf_config_envs(2)
+    for case, message in (("mwms-build", "Attempt to convert a value (PerReplica"),
+                          ("mwms-reduce", "Invalid reduction dimension 0 for input with 0 dimensions")):
+        outputs = runner.run([[PLAIN, case]] * 2, envs if case == "mwms-build" else runner.tf_config_envs(2))
+        for code, out in outputs:
+            assert code == 0 and message in out, out[-2000:]
+
+
+def config(cluster, task):
+    return json.dumps({"cluster": cluster, "task": task})
+
+
+def test_detection_and_topology_from_tf_config(monkeypatch):
+    two = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+    assert backends.select(environ={"TF_CONFIG": config(two, {"type": "worker", "index": 1})})[0] == "multi_worker_mirrored"
+    ps = {**two, "ps": ["127.0.0.1:3"]}
+    assert backends.select(environ={"TF_CONFIG": config(ps, {"type": "worker", "index": 0})})[0] != "multi_worker_mirrored"
+    assert parse_tf_config(config({"chief": ["a:1"], **two}, {"type": "worker", "index": 1}))[1:] == ("worker", 1)
+
+
+@pytest.mark.parametrize("text, fix", [
+    ("{not json", "not valid JSON"),
+    (config({"worker": ["a:1"]}, None), 'no "task"'),
+    (config({"worker": ["a:1", "b:1"]}, {"type": "worker", "index": 2}), "use an index from 0 to 1"),
+    (config({"worker": ["a:1", "a:1"]}, {"type": "worker", "index": 0}), "a:1 more than once"),
+])
+def test_bad_tf_config_gets_a_one_line_error(text, fix):
+    with pytest.raises(KerasDistError, match=fix) as error:
+        parse_tf_config(text)
+    assert "\n" not in str(error.value)
+
+
+def test_local_tasks_get_their_own_tf_config():
+    tasks = MultiWorkerMirroredBackend.local_tasks(2, 0, ["train.py"])
+    configs = [json.loads(t.env["TF_CONFIG"]) for t in tasks]
+    assert [c["task"]["index"] for c in configs] == [0, 1]
+    assert len(set(configs[0]["cluster"]["worker"])) == 2
+    with pytest.raises(KerasDistError, match="drop --ps"):
+        MultiWorkerMirroredBackend.local_tasks(2, 1, ["train.py"])

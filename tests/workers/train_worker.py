@@ -1,0 +1,66 @@
+"""A training script as a user would write it, run by the tests in a subprocess.
+
+Usage: python train_worker.py OUT_DIR [--batch B] [--steps-per-execution K] [--cpus N]
+Writes OUT_DIR/result-<rank>.json: final weights, history, evaluate and predict results.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--samples", type=int, default=64)
+parser.add_argument("--eval-samples", type=int, default=30)
+parser.add_argument("--steps-per-execution", type=int, default=1)
+parser.add_argument("--cpus", type=int, default=1, help="logical CPU devices (MirroredStrategy replicas)")
+parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
+parser.add_argument("--raw-keras", action="store_true", help="plain model.compile under the strategy")
+args = parser.parse_args()
+
+import tensorflow as tf  # noqa: E402
+
+if args.cpus > 1:  # must precede anything that starts TensorFlow
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * args.cpus
+    )
+
+import numpy as np  # noqa: E402
+import keras  # noqa: E402
+
+import keras_dist  # noqa: E402
+
+keras.utils.set_random_seed(1)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(args.samples, 5)).astype("float32")
+y = (x @ rng.normal(size=(5, 1)) + 0.1).astype("float32")
+model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+initial = [w.tolist() for w in model.get_weights()]
+keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
+                   steps_per_execution=args.steps_per_execution)
+ctx = keras_dist.current()
+callbacks = []
+if args.callbacks:
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(os.path.join(args.out, "ckpt.weights.h5"), save_weights_only=True),
+        keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup")),
+        keras.callbacks.CSVLogger(os.path.join(args.out, "log.csv")),
+    ]
+history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+evaluation = model.evaluate(x[:args.eval_samples], y[:args.eval_samples], batch_size=args.batch, verbose=0, return_dict=True)
+prediction = model.predict(x[:args.eval_samples], batch_size=args.batch, verbose=0)
+result = {
+    "describe": ctx.describe(),
+    "initial": initial,
+    "weights": [w.tolist() for w in model.get_weights()],
+    "history": history.history,
+    "evaluate": evaluation,
+    "predict": prediction.tolist(),
+    "reference_predict": model(x[:args.eval_samples]).numpy().tolist(),
+}
+with open(os.path.join(args.out, f"result-{ctx.rank}.json"), "w") as f:
+    json.dump(result, f)
+print("done", ctx.describe(), flush=True)
