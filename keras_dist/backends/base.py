@@ -67,12 +67,13 @@ class Backend(abc.ABC):
 
     # --- topology -------------------------------------------------------------
     @property
-    @abc.abstractmethod
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This process's index among `size` processes (default: a single process)."""
+        return 0
 
     @property
-    @abc.abstractmethod
-    def size(self) -> int: ...
+    def size(self) -> int:
+        return 1
 
     @property
     def local_rank(self) -> int:

@@ -7,11 +7,3 @@ class SingleBackend(Backend):
     """One process, one replica; keras_dist changes nothing about training."""
 
     name = "single"
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def size(self) -> int:
-        return 1

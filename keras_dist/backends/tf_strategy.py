@@ -26,14 +26,6 @@ class StrategyBackend(Backend):
         raise NotImplementedError
 
     @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def size(self) -> int:
-        return 1
-
-    @property
     def num_replicas(self) -> int:
         return self.strategy.num_replicas_in_sync
 
