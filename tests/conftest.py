@@ -5,6 +5,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,24 +19,49 @@ BIN = Path(PYTHON).parent
 QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "KERAS_DIST_BACKEND": ""}
 
 
-def run(argv, timeout, env=None, cwd=None):
-    """Runs `argv` in its own process group; on timeout kills the group and fails."""
-    proc = subprocess.Popen(
-        [str(a) for a in argv], env={**os.environ, **QUIET_ENV, **(env or {})}, cwd=cwd,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+def run_many(commands, timeout, envs=None, cwd=None):
+    """Runs the commands together, each in its own process group; returns `(code, output)`s.
+
+    On timeout (for all of them together) every group is killed and the test fails;
+    groups are killed at the end in any case, for children that outlived their parent
+    (horovodrun's workers, TensorFlow's helpers).
+    """
+    base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    procs = [
+        subprocess.Popen(
+            [str(a) for a in argv], env={**base, **QUIET_ENV, **env}, cwd=cwd,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        for argv, env in zip(commands, envs or [{}] * len(commands))
+    ]
+    deadline = time.monotonic() + timeout
+    results = []
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{argv[:6]} did not finish in {timeout}s (killed); output tail:\n{out[-4000:]}")
+        for argv, proc in zip(commands, procs):
+            try:
+                out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_groups(procs)
+                out, _ = proc.communicate()
+                pytest.fail(f"{[str(a) for a in argv[:6]]} did not finish in {timeout}s (killed); output tail:\n{out[-4000:]}")
+            results.append((proc.returncode, out))
     finally:
-        try:  # children that outlived their parent (horovodrun workers)
+        _kill_groups(procs)
+    return results
+
+
+def _kill_groups(procs):
+    for proc in procs:
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
-    return proc.returncode, out
+        proc.wait()
+
+
+def run(argv, timeout, env=None, cwd=None):
+    """Runs one command with `run_many`'s guarantees; returns `(code, output)`."""
+    return run_many([argv], timeout, [env or {}], cwd)[0]
 
 
 def horovodrun(num_ranks, argv, timeout, env=None):

@@ -1,25 +1,17 @@
-"""Starts worker scripts in their own process groups, with a hard timeout, for the tests."""
+"""Runs tests/workers/train_worker.py on the strategy backends and loads what it saved."""
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
+from conftest import run_many  # tests/ is on sys.path under pytest
 from keras_dist.launcher import free_loopback_ports
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 def run(argv_list, envs, timeout=240):
-    """Runs one process per (argv, env) and returns their outputs; kills all on timeout.
-
-    Args:
-        argv_list: the command line of each process (without the interpreter).
-        envs: extra environment variables of each process.
-        timeout: seconds for all of them together.
+    """Runs one Python process per (argv, env), together; returns their `(code, output)`s.
 
     Example:
 
@@ -27,30 +19,7 @@ def run(argv_list, envs, timeout=240):
     outputs = run([[WORKER, out]], [{"KERAS_DIST_BACKEND": "single"}])
     ```
     """
-    procs = []
-    base = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
-    base.pop("TF_CONFIG", None)
-    base.pop("KERAS_DIST_BACKEND", None)
-    try:
-        for argv, env in zip(argv_list, envs):
-            procs.append(subprocess.Popen([sys.executable, *argv], env={**base, **env}, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, start_new_session=True, text=True))
-        deadline = time.monotonic() + timeout
-        outputs = []
-        for proc in procs:
-            try:
-                out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"worker timed out after {timeout}s") from None
-            outputs.append((proc.returncode, out))
-        return outputs
-    finally:
-        for proc in procs:  # the whole group: TensorFlow may have started helpers
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
+    return run_many([[sys.executable, *argv] for argv in argv_list], timeout, envs)
 
 
 def run_ok(argv_list, envs, timeout=240):
