@@ -92,6 +92,22 @@ def shard_dataset(dataset, num_shards, index, pad, batch_size=None):
     return shard.prefetch(tf.data.AUTOTUNE)
 
 
+def open_ended(inputs, batch_size):
+    """`inputs` as a dataset whose length TensorFlow cannot know in advance.
+
+    Args:
+        inputs: a `tf.data.Dataset`, or a dict with "x" and optionally "y" and
+            "sample_weight" arrays (None entries are left out).
+        batch_size: the batch size for arrays (Keras's default, 32, when None).
+    """
+    if not isinstance(inputs, tf.data.Dataset):
+        arrays = tuple(inputs[k] for k in ("x", "y", "sample_weight") if inputs.get(k) is not None)
+        inputs = tf.data.Dataset.from_tensor_slices(arrays if len(arrays) > 1 else arrays[0]).batch(batch_size or 32)
+    # Keras then iterates until the distributed iterator ends, which it does on every
+    # worker together; a known length would stop workers with shorter shards early.
+    return inputs.filter(lambda *_: True)
+
+
 def _whole_element(fn):
     # tf.data passes a tuple element as separate arguments; hand `fn` the element itself.
     return lambda *parts: fn(parts if len(parts) > 1 else parts[0])

@@ -10,7 +10,7 @@ summing metric states across processes there makes every log global, on every wo
 
 import contextlib
 import inspect
-import types
+import warnings
 
 import tensorflow as tf
 
@@ -50,18 +50,21 @@ class DistributedTraining:
         batch = self._process_batch(args.get(batch_key))
         if isinstance(x, tf.data.Dataset):
             args["x"] = sharding.shard_dataset(x, self.num_shards, self.backend.input_shard_index, pad, batch)
+        elif x is not None and sharding.is_array_input(x):
+            arrays = {k: args[k] for k in _INPUT_NAMES if k in args}
+            args.update(sharding.shard_arrays(arrays, self.num_shards, self.backend.input_shard_index, pad))
+            if batch is not None:
+                args[batch_key] = batch
+        elif self.num_shards > 1:
+            raise KerasDistError(
+                f"keras_dist cannot split a {type(x).__name__} across {self.num_shards} processes; "
+                "pass NumPy arrays or a tf.data.Dataset"
+            )
+        else:
             return
-        if x is None or not sharding.is_array_input(x):
-            if self.num_shards > 1:
-                raise KerasDistError(
-                    f"keras_dist cannot split a {type(x).__name__} across {self.num_shards} processes; "
-                    "pass NumPy arrays or a tf.data.Dataset"
-                )
-            return
-        arrays = {k: args[k] for k in _INPUT_NAMES if k in args}
-        args.update(sharding.shard_arrays(arrays, self.num_shards, self.backend.input_shard_index, pad))
-        if batch is not None:
-            args[batch_key] = batch
+        if not pad and self.backend.steps_are_collective:
+            args["x"] = sharding.open_ended(args if sharding.is_array_input(args["x"]) else args["x"], args.get(batch_key))
+            args.update({k: None for k in ("y", "sample_weight", batch_key) if k in args})
 
     def _split_validation(self, args):
         if args.get("validation_split") and args.get("validation_data") is None and sharding.is_array_input(args.get("x")):
@@ -81,7 +84,7 @@ class DistributedTraining:
             val = dict(zip(_INPUT_NAMES, validation))
         val["batch_size"] = args.get("validation_batch_size") or args.get("batch_size")
         self._split(val, pad=False)
-        args["validation_data"] = val["x"] if isinstance(validation, tf.data.Dataset) else tuple(val.get(k) for k in _INPUT_NAMES)
+        args["validation_data"] = val["x"] if isinstance(val["x"], tf.data.Dataset) else tuple(val.get(k) for k in _INPUT_NAMES)
         if args.get("validation_batch_size") is not None:
             args["validation_batch_size"] = val["batch_size"]
 
@@ -115,14 +118,15 @@ class DistributedTraining:
         arguments = self._worker_args(self.keras_evaluate, args, kwargs)
         self._split(arguments, pad=False)
         self._sync_once()
-        with self._flag("in_evaluate"):
+        with self._flag("in_evaluate"), self._quiet_end_of_open_ended_input():
             return self.keras_evaluate(**arguments)
 
     def predict(self, *args, **kwargs):
         arguments = self._worker_args(self.keras_predict, args, kwargs)
         self._split(arguments, pad=False)
         self._sync_once()
-        outputs = self.keras_predict(**arguments)
+        with self._quiet_end_of_open_ended_input():
+            outputs = self.keras_predict(**arguments)
         if self.num_shards == 1:
             return outputs
         return sharding.gather_interleaved(self.backend, outputs, self.num_shards)
@@ -155,6 +159,14 @@ class DistributedTraining:
         if not self.synced and self.backend.size > 1:
             sync_model_state(self.model, self.backend)
             self.synced = True
+
+    @contextlib.contextmanager
+    def _quiet_end_of_open_ended_input(self):
+        # Keras warns "Your input ran out of data" where an open-ended input ends as planned.
+        with warnings.catch_warnings():
+            if self.backend.steps_are_collective:
+                warnings.filterwarnings("ignore", message="Your input ran out of data")
+            yield
 
     @contextlib.contextmanager
     def _flag(self, name):

@@ -31,7 +31,7 @@ def test_two_workers_match_one_process_and_write_files_on_the_chief_only(tmp_pat
     for result in workers:
         assert result["describe"]["num_replicas"] == 2
         assert_close(result["weights"], single["weights"])
-        for key in ("loss", "mae"):  # every worker logs the global values
+        for key in ("loss", "mae", "val_loss", "val_mae"):  # every worker logs the global values
             assert result["history"][key] == pytest.approx(single["history"][key], rel=1e-5)
         assert result["evaluate"] == pytest.approx(single["evaluate"], rel=1e-5)
         assert_close(result["predict"], single["predict"])

@@ -45,6 +45,10 @@ class Backend(abc.ABC):
     saves_are_collective: bool = False
     # True when keras_dist must reduce gradients and metric states itself.
     reduces_in_keras_dist: bool = False
+    # True when fetching each batch is itself a collective (every worker must take the
+    # same number of steps). Unpadded evaluation and prediction shards are then fed as
+    # datasets of unknown length, so a worker that runs out takes empty batches until all do.
+    steps_are_collective: bool = False
 
     @classmethod
     def detect(cls, environ) -> bool:

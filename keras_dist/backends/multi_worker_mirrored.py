@@ -5,16 +5,13 @@ gets each worker's shard as it is, with TF's own auto-sharding off, and hands ea
 replica its own batches.
 """
 
-import contextlib
 import copy
-import functools
 import json
 import os
 import pickle
 import shutil
 import sys
 import tempfile
-import warnings
 
 import keras
 
@@ -75,6 +72,7 @@ class MultiWorkerMirroredBackend(StrategyBackend):
 
     name = "multi_worker_mirrored"
     saves_are_collective = True
+    steps_are_collective = True
 
     @classmethod
     def detect(cls, environ) -> bool:
@@ -125,7 +123,6 @@ class MultiWorkerMirroredBackend(StrategyBackend):
     def prepare_model(self, model):
         model = super().prepare_model(model)
         predict_locally(model, self.strategy)
-        run_uneven_shards(model)
         return model
 
     @property
@@ -149,23 +146,20 @@ class MultiWorkerMirroredBackend(StrategyBackend):
         return self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
 
     def _gather_rows(self, array):
-        """Every worker's `array` (same trailing shape), concatenated in rank order."""
+        """Every worker's `array` (same trailing shape), as a list in rank order."""
         import numpy as np
 
         lengths = self._sum(np.eye(self.size, dtype=np.int64)[self.rank] * len(array)).astype(int)
         padded = np.zeros((self.size, int(lengths.max())) + array.shape[1:], dtype=array.dtype)
         padded[self.rank, :len(array)] = array
         summed = self._sum(padded)
-        return np.concatenate([summed[r, :n] for r, n in enumerate(lengths)])
+        return [summed[r, :n] for r, n in enumerate(lengths)]
 
     def allgather_object(self, obj) -> list:
         import numpy as np
 
         data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8).astype(np.int32)
-        lengths = self._sum(np.eye(self.size, dtype=np.int64)[self.rank] * len(data)).astype(int)
-        rows = self._gather_rows(data)
-        starts = np.concatenate([[0], np.cumsum(lengths)])
-        return [pickle.loads(rows[a:b].astype(np.uint8).tobytes()) for a, b in zip(starts[:-1], starts[1:])]
+        return [pickle.loads(part.astype(np.uint8).tobytes()) for part in self._gather_rows(data)]
 
     def broadcast_object(self, obj, root: int = 0):
         return self.allgather_object(obj if self.rank == root else None)[root]
@@ -182,8 +176,8 @@ class MultiWorkerMirroredBackend(StrategyBackend):
 
         array = np.asarray(array)
         if array.dtype == bool:
-            return self._gather_rows(array.astype(np.uint8)).astype(bool)
-        return self._gather_rows(array)
+            return np.concatenate(self._gather_rows(array.astype(np.uint8))).astype(bool)
+        return np.concatenate(self._gather_rows(array))
 
     def barrier(self) -> None:
         import numpy as np
@@ -224,68 +218,6 @@ def predict_locally(model, strategy):
         return model.predict_function
 
     object.__setattr__(model, "make_predict_function", make_predict_function)
-
-
-def _open_ended(x, y=None, sample_weight=None, batch_size=None):
-    """A dataset of the worker's inputs whose length TensorFlow cannot know in advance."""
-    import tensorflow as tf
-    from keras_dist import sharding
-
-    if isinstance(x, tf.data.Dataset):
-        dataset = x
-    elif sharding.is_array_input(x):
-        arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
-        dataset = tf.data.Dataset.from_tensor_slices(arrays if len(arrays) > 1 else arrays[0]).batch(batch_size or 32)
-    else:
-        return None
-    # An unknown length makes Keras iterate until the strategy's iterator ends, which it
-    # does on every worker together; a known one would stop short workers early.
-    return dataset.filter(lambda *_: True)
-
-
-@contextlib.contextmanager
-def _quiet_end_of_data():
-    # Keras warns "Your input ran out of data" at the planned end of an open-ended input.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Your input ran out of data")
-        yield
-
-
-def run_uneven_shards(model):
-    """Lets workers evaluate and predict shards of different lengths without hanging.
-
-    Each step's batch fetch is a collective under MultiWorkerMirroredStrategy (workers
-    agree whether any data is left, and one out of data gets an empty batch), so every
-    worker must take the same number of steps; keras_dist does not pad evaluation shards.
-
-    Args:
-        model: the model; its `fit`, `evaluate` and `predict` are wrapped on this
-            instance only (keras_dist's own wrappers call these after splitting inputs).
-    """
-    keras_fit, keras_evaluate, keras_predict = model.fit, model.evaluate, model.predict
-
-    def fit(*args, validation_data=None, validation_batch_size=None, **kwargs):
-        if validation_data is not None:
-            parts = validation_data if isinstance(validation_data, tuple) else (validation_data,)
-            batch = validation_batch_size or kwargs.get("batch_size")
-            validation_data = _open_ended(*parts, batch_size=batch) or validation_data
-        return keras_fit(*args, validation_data=validation_data, validation_batch_size=None, **kwargs)
-
-    def evaluate(x=None, y=None, batch_size=None, sample_weight=None, **kwargs):
-        dataset = _open_ended(x, y, sample_weight, batch_size)
-        if dataset is None:
-            return keras_evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight, **kwargs)
-        with _quiet_end_of_data():
-            return keras_evaluate(dataset, **kwargs)
-
-    def predict(x, batch_size=None, **kwargs):
-        dataset = _open_ended(x, batch_size=batch_size)
-        with _quiet_end_of_data():
-            return keras_predict(x if dataset is None else dataset, **kwargs)
-
-    for method, keras_method in ((fit, keras_fit), (evaluate, keras_evaluate), (predict, keras_predict)):
-        # wraps: keras_dist binds arguments against Keras's own signature.
-        object.__setattr__(model, method.__name__, functools.wraps(keras_method)(method))
 
 
 def _make_strategy():

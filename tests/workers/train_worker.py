@@ -7,7 +7,6 @@ Writes OUT_DIR/result-<rank>.json: final weights, history, evaluate and predict 
 import argparse
 import json
 import os
-import sys
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -49,7 +48,10 @@ if args.callbacks:
         keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup")),
         keras.callbacks.CSVLogger(os.path.join(args.out, "log.csv")),
     ]
-history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+# The evaluation slice doubles as validation data: shards of uneven length inside fit too.
+validation = (x[:args.eval_samples], y[:args.eval_samples])
+history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks,
+                    validation_data=validation)
 evaluation = model.evaluate(x[:args.eval_samples], y[:args.eval_samples], batch_size=args.batch, verbose=0, return_dict=True)
 prediction = model.predict(x[:args.eval_samples], batch_size=args.batch, verbose=0)
 result = {
