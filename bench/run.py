@@ -17,7 +17,6 @@ Configurations per model:
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys

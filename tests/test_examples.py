@@ -3,7 +3,6 @@
 import ast
 import difflib
 import re
-import sys
 
 import pytest
 

@@ -1,6 +1,5 @@
 """`tf.distribute.MirroredStrategy`: one process, one replica per local GPU (or CPU device)."""
 
-import os
 
 from keras_dist.backends.tf_strategy import StrategyBackend
 from keras_dist.errors import KerasDistError
