@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import runner  # noqa: E402
 
 from keras_dist import backends  # noqa: E402
-from keras_dist.backends.multi_worker_mirrored import MultiWorkerMirroredBackend, parse_tf_config  # noqa: E402
+from keras_dist.backends.multi_worker_mirrored import MultiWorkerMirroredBackend  # noqa: E402
+from keras_dist.tf_cluster import parse_tf_config  # noqa: E402
 from keras_dist.errors import KerasDistError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
