@@ -24,12 +24,16 @@ class Task:
         argv: the command line.
         env: variables added to the launcher's environment.
         prefix_output: False when the command prefixes lines itself (`horovodrun`).
+        serves: a server that runs until stopped (parameter-server workers and ps
+            tasks): the job ends when every other task has, and a server that dies
+            does not stop the job (the chief decides whether it can go on).
     """
 
     name: str
     argv: list
     env: dict = field(default_factory=dict)
     prefix_output: bool = True
+    serves: bool = False
 
 
 def free_loopback_ports(count):
@@ -71,14 +75,19 @@ def run_tasks(tasks, out=None, poll_seconds=0.2):
             pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, out), daemon=True)
             pump.start()
             pumps.append(pump)
+        reported = set()
         while True:
             codes = [proc.poll() for _, proc in procs]
-            failed = [(task, code) for (task, _), code in zip(procs, codes) if code not in (None, 0)]
+            for (task, _), code in zip(procs, codes):
+                if task.serves and code is not None and task.name not in reported:
+                    reported.add(task.name)
+                    out.write(f"[keras-dist] server {task.name} exited with {code}; the job goes on without it\n")
+            failed = [(task, code) for (task, _), code in zip(procs, codes) if code not in (None, 0) and not task.serves]
             if failed:
                 task, code = failed[0]
                 out.write(f"[keras-dist] task {task.name} exited with {code}; stopping the others\n")
                 return code
-            if all(code == 0 for code in codes):
+            if all(code == 0 for (task, _), code in zip(procs, codes) if not task.serves):
                 return 0
             time.sleep(poll_seconds)
     except KeyboardInterrupt:

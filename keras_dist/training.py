@@ -107,7 +107,7 @@ class DistributedTraining:
         if self.backend.size > 1:
             arguments["callbacks"].append(SyncInitialState(self.backend))
         with self._flag("in_fit"):
-            history = self.keras_fit(**arguments)
+            history = self.backend.run_loop("fit", self.model, self.keras_fit, arguments)
         self.synced = True
         return history
 
@@ -119,14 +119,14 @@ class DistributedTraining:
         self._split(arguments, pad=False)
         self._sync_once()
         with self._flag("in_evaluate"), self._quiet_end_of_open_ended_input():
-            return self.keras_evaluate(**arguments)
+            return self.backend.run_loop("evaluate", self.model, self.keras_evaluate, arguments)
 
     def predict(self, *args, **kwargs):
         arguments = self._worker_args(self.keras_predict, args, kwargs)
         self._split(arguments, pad=False)
         self._sync_once()
         with self._quiet_end_of_open_ended_input():
-            outputs = self.keras_predict(**arguments)
+            outputs = self.backend.run_loop("predict", self.model, self.keras_predict, arguments)
         if self.num_shards == 1:
             return outputs
         return sharding.gather_interleaved(self.backend, outputs, self.num_shards)
@@ -143,17 +143,7 @@ class DistributedTraining:
         states = [v.value for m in metrics for v in m.variables]
         if not states:
             return self.keras_get_metrics_result()
-        summed = list(self.backend.sum_across_processes_in_graph(states))
-        results = {}
-        for metric in metrics:
-            count = len(metric.variables)
-            result = metric.stateless_result(summed[:count])
-            summed = summed[count:]
-            if isinstance(result, dict):
-                results.update(result)
-            else:
-                results[metric.name] = result
-        return results
+        return metric_results(metrics, self.backend.sum_across_processes_in_graph(states))
 
     def _sync_once(self):
         if not self.synced and self.backend.size > 1:
@@ -176,6 +166,26 @@ class DistributedTraining:
             yield
         finally:
             setattr(self, name, previous)
+
+
+def metric_results(metrics, states):
+    """`{name: value}` of `metrics` computed from `states`, their variables' values in order.
+
+    Args:
+        metrics: `model.metrics`.
+        states: one value per metric variable, e.g. states summed over replicas.
+    """
+    states = list(states)
+    results = {}
+    for metric in metrics:
+        count = len(metric.variables)
+        result = metric.stateless_result(states[:count])
+        states = states[count:]
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    return results
 
 
 def attach(model, backend):

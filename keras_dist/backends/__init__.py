@@ -15,6 +15,7 @@ from keras_dist.errors import KerasDistError
 # name -> "module:Class". Order is detection order. Adding a backend adds one line here.
 REGISTRY = {
     "horovod": "keras_dist.backends.horovod:HorovodBackend",
+    "parameter_server": "keras_dist.backends.parameter_server:ParameterServerBackend",
     "multi_worker_mirrored": "keras_dist.backends.multi_worker_mirrored:MultiWorkerMirroredBackend",
     "tpu": "keras_dist.backends.tpu:TPUBackend",
     "mirrored": "keras_dist.backends.mirrored:MirroredBackend",

@@ -118,6 +118,15 @@ class Backend(abc.ABC):
         """Returns the model to train (the same object unless variables had to move)."""
         return model
 
+    def run_loop(self, method: str, model, keras_method, arguments: dict):
+        """Runs `model.fit`, `evaluate` or `predict` (`method`) with this worker's arguments.
+
+        The default is Keras's own loop (`keras_method`). A backend whose steps Keras
+        cannot drive (parameter servers: the chief schedules each step on a remote
+        worker) runs its own loop here, with the same arguments and callbacks.
+        """
+        return keras_method(**arguments)
+
     def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
         """Makes `optimizer` reduce gradients across replicas before each update."""
 
