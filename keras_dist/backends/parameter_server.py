@@ -19,13 +19,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist.backends.base import Backend, GradientOptions
-from keras_dist.backends.tf_strategy import move_variables
+from keras_dist.backends.tf_strategy import adopt_optimizer, move_variables
 from keras_dist.errors import KerasDistError
-from keras_dist.tf_cluster import parse_tf_config
+from keras_dist.tf_cluster import loopback_binding_env, parse_tf_config, prepare_server_process
 
 _SERVING_TASKS = ("worker", "ps")
-# Variables larger than this are split across the ps tasks (large embedding tables).
-DEFAULT_MIN_SHARD_BYTES = 256 << 10
 
 
 def _ps_cluster(environ):
@@ -68,15 +66,15 @@ class ParameterServerBackend(Backend):
     `steps_per_epoch`. `evaluate` and `predict` count every example exactly once,
     even when a worker is lost mid-way.
 
-    Args:
-        min_shard_bytes: variables larger than this are split across the ps tasks.
-        variable_partitioner: a `tf.distribute.experimental.partitioners.Partitioner`
-            to use instead (None with `min_shard_bytes=None`: no splitting).
+    Variables are placed whole, round-robin over the ps tasks. TensorFlow's variable
+    partitioners are not offered: a partitioned variable (`ShardedVariable`) has no
+    single handle, and Keras 3's `train_step` differentiates through one per variable.
 
     Example:
 
     ```python
-    keras_dist.init(backend="parameter_server", min_shard_bytes=1 << 20)
+    ctx = keras_dist.init()  # on the chief; worker and ps tasks never get here
+    print(ctx.name, ctx.num_replicas)  # parameter_server, the number of workers
     ```
     """
 
@@ -95,6 +93,7 @@ class ParameterServerBackend(Backend):
     @classmethod
     def prepare_process(cls, environ) -> None:
         cluster, kind, index = _ps_cluster(environ)
+        prepare_server_process(environ)
         if kind in _SERVING_TASKS:
             serve(cluster, kind, index)
             sys.exit(0)
@@ -115,23 +114,20 @@ class ParameterServerBackend(Backend):
         cluster = {"chief": [f"127.0.0.1:{next(ports)}"],
                    "worker": [f"127.0.0.1:{next(ports)}" for _ in range(num_workers)],
                    "ps": [f"127.0.0.1:{next(ports)}" for _ in range(num_ps)]}
+        loopback = loopback_binding_env(os.environ, "127.0.0.1")
         return [
             Task(f"{kind}:{i}", [sys.executable, *argv], serves=kind != "chief",
-                 env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}})})
+                 env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}}), **loopback})
             for kind in ("chief", "worker", "ps") for i in range(len(cluster[kind]))
         ]
 
-    def __init__(self, min_shard_bytes=DEFAULT_MIN_SHARD_BYTES, variable_partitioner=None):
+    def __init__(self):
         cluster, kind, _ = _ps_cluster(os.environ)
         if kind != "chief":
             raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
                                  "only the 'chief' task runs the script past `import keras_dist`")
         self.num_workers = len(cluster["worker"])
-        if variable_partitioner is None and min_shard_bytes:
-            variable_partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-                min_shard_bytes=min_shard_bytes, max_shards=len(cluster["ps"]))
-        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        self.strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=variable_partitioner)
+        self.strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver())
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
         self._steps = {}  # model id -> CoordinatedSteps
 
@@ -150,6 +146,7 @@ class ParameterServerBackend(Backend):
         if options.reduction != "mean" or options.compression:
             raise KerasDistError("backend 'parameter_server' applies each worker's gradients as they come; "
                                  "drop gradient_reduction and gradient_compression")
+        adopt_optimizer(optimizer, self.strategy)
 
     def describe(self) -> dict:
         return {**super().describe(), "workers": self.num_workers, "strategy": "ParameterServerStrategy"}
@@ -356,7 +353,7 @@ class CoordinatedSteps:
         if finish:
             callbacks, end = finish
             getattr(callbacks, end)(logs)
-        return logs if return_dict else _as_list(logs, self.model)
+        return logs if return_dict else self.model._flatten_metrics_in_order(logs)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         remote, finish = self._schedule_batches("predict", x, None, None, batch_size, steps, callbacks, verbose)
@@ -366,11 +363,6 @@ class CoordinatedSteps:
         if not remote:
             raise KerasDistError("predict got no input batches; check that x is not empty")
         return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *remote)
-
-
-def _as_list(logs, model):
-    values = [logs[name] for name in model.metrics_names if name in logs] or list(logs.values())
-    return values[0] if len(values) == 1 else values
 
 
 # Keras callbacks whose batch hooks do nothing with the logs in the configuration given.

@@ -1,0 +1,201 @@
+"""Parameter-server backend: real clusters of processes on 127.0.0.1 (chief, workers, ps)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import keras
+import pytest
+
+from conftest import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, _kill_groups, run
+from keras_dist import backends
+from keras_dist.backends.parameter_server import ParameterServerBackend, refuse_batch_log_readers
+from keras_dist.errors import KerasDistError
+
+pytestmark = pytest.mark.timeout(600)
+EXAMPLES = ROOT / "examples"
+
+
+class LocalCluster:
+    """The tasks `keras-dist launch --backend parameter_server` would start, started here so
+    a test can kill and restart single tasks. Every process group dies at `close`."""
+
+    def __init__(self, num_workers, num_ps, argv):
+        self.tasks = {t.name: t for t in ParameterServerBackend.local_tasks(num_workers, num_ps, [str(a) for a in argv])}
+        self.procs = {}
+        self.chief_lines = []
+        for name in self.tasks:
+            self.start(name)
+        threading.Thread(target=self._read_chief, daemon=True).start()
+
+    def start(self, name):
+        task = self.tasks[name]
+        base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        self.procs[name] = subprocess.Popen(
+            task.argv, env={**base, **QUIET_ENV, **task.env}, stdout=subprocess.PIPE if name == "chief:0" else
+            subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def _read_chief(self):
+        for line in self.procs["chief:0"].stdout:
+            self.chief_lines.append(line)
+
+    def kill(self, name):
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait()
+
+    def wait_for_line(self, text, timeout):
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.chief_lines):
+            if time.monotonic() > deadline or self.procs["chief:0"].poll() is not None:
+                pytest.fail(f"chief never printed {text!r}; output:\n{''.join(self.chief_lines)[-4000:]}")
+            time.sleep(0.05)
+        return time.monotonic()
+
+    def wait_chief(self, timeout):
+        try:
+            code = self.procs["chief:0"].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"chief did not finish in {timeout}s; output:\n{''.join(self.chief_lines)[-4000:]}")
+        time.sleep(0.2)  # let the reader thread take the last lines
+        return code, "".join(self.chief_lines)
+
+    def close(self):
+        _kill_groups(list(self.procs.values()))
+
+
+@pytest.fixture
+def cluster_factory():
+    clusters = []
+
+    def start(*args):
+        clusters.append(LocalCluster(*args))
+        return clusters[-1]
+
+    yield start
+    for cluster in clusters:
+        cluster.close()
+
+
+def launch(num_workers, num_ps, argv, env=None, timeout=400):
+    return run([BIN / "keras-dist", "launch", "--backend", "parameter_server", "-n", num_workers, "--ps", num_ps,
+                *argv], timeout=timeout, env=env)
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_one_worker_trains_exactly_like_one_process(tmp_path):
+    # One worker runs one step at a time: asynchronous training degenerates to plain SGD.
+    args = ("--batch", 16, "--samples", 72, "--eval-samples", 17)
+    (tmp_path / "ps").mkdir()
+    (tmp_path / "single").mkdir()
+    code, out = launch(1, 1, [WORKERS / "train_worker.py", tmp_path / "ps", *args])
+    assert code == 0, out[-4000:]
+    code, out = run([PYTHON, WORKERS / "train_worker.py", tmp_path / "single", *args], timeout=200,
+                    env={"KERAS_DIST_BACKEND": "single"})
+    assert code == 0, out[-4000:]
+    ps, single = load(tmp_path / "ps" / "result-0.json"), load(tmp_path / "single" / "result-0.json")
+    assert ps["describe"]["backend"] == "parameter_server"
+    assert ps["weights"] == single["weights"]
+    assert ps["history"] == single["history"]  # loss, mae, val_loss, val_mae per epoch
+    assert ps["evaluate"] == single["evaluate"]
+    assert ps["predict"] == single["predict"]
+
+
+def test_recommendation_example_converges_like_one_process(tmp_path):
+    env = {"EPOCHS": "2", "OUTPUT": str(tmp_path / "out")}
+    code, out = launch(2, 2, [EXAMPLES / "recommendation.py"], env=env)
+    assert code == 0, out[-4000:]
+    distributed = float(re.search(r"\[chief:0\] test accuracy: ([0-9.]+)", out).group(1))
+    assert re.search(r"\[chief:0\] user table on /job:ps/replica:0/task:[01]/", out), out[-2000:]
+    assert "[worker:0] Epoch" not in out and "[chief:0] Epoch 2/2" in out  # only the chief runs the script
+    code, out = run([PYTHON, EXAMPLES / "recommendation.py"], timeout=300, env={**env, "KERAS_DIST_BACKEND": "single"})
+    assert code == 0, out[-4000:]
+    single = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
+    assert single > 0.8  # far above chance (0.5): the tables were learnt
+    assert distributed == pytest.approx(single, abs=0.03)
+    assert len((tmp_path / "out" / "log.csv").read_text().splitlines()) == 3
+
+
+def test_training_survives_a_killed_worker_and_takes_it_back(tmp_path, cluster_factory):
+    epochs, steps = 4, 150
+    cluster = cluster_factory(2, 1, [WORKERS / "ps_training.py", tmp_path, epochs, steps])
+    cluster.wait_for_line("epoch 1 begin", timeout=240)
+    time.sleep(0.5)  # mid-epoch
+    cluster.kill("worker:1")
+    cluster.wait_for_line("epoch 2 begin", timeout=240)
+    cluster.start("worker:1")  # same address: the coordinator reconnects to it
+    code, out = cluster.wait_chief(timeout=300)
+    assert code == 0, out[-4000:]
+    result = load(tmp_path / "result.json")
+    assert result["epochs_run"] == list(range(epochs))
+    # Every requested step ran (a step cut off mid-update may be retried: at most one per kill).
+    assert epochs * steps <= result["iterations"] <= epochs * steps + 1
+    assert result["history"]["loss"][-1] < result["history"]["loss"][0]
+    # evaluate counts each example once: it equals the MSE of the final predictions.
+    assert result["evaluate"]["loss"] == pytest.approx(result["reference_mse"], rel=1e-4)
+    print("epoch seconds (worker:1 killed in epoch 1, back from epoch 2):", result["epoch_seconds"])
+
+
+def test_losing_a_ps_stops_the_job_and_a_rerun_resumes_from_the_last_epoch(tmp_path, cluster_factory):
+    epochs, steps = 3, 150
+    argv = [WORKERS / "ps_training.py", tmp_path, epochs, steps]
+    cluster = cluster_factory(1, 1, argv)
+    cluster.wait_for_line("epoch 1 begin", timeout=240)  # epoch 0 is in the backup
+    cluster.kill("ps:0")
+    code, out = cluster.wait_chief(timeout=180)
+    assert code != 0
+    errors = [line for line in out.splitlines() if line.startswith("keras_dist.errors.KerasDistError")]
+    assert errors and "restart the job" in errors[0], out[-3000:]
+    cluster.close()
+
+    rerun = cluster_factory(1, 1, argv)
+    code, out = rerun.wait_chief(timeout=300)
+    assert code == 0, out[-4000:]
+    assert load(tmp_path / "result.json")["epochs_run"] == [1, 2]  # no completed epoch lost or redone
+
+
+def test_detected_from_tf_config_with_ps_tasks():
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})
+    assert backends.select(environ={"TF_CONFIG": config})[0] == "parameter_server"
+
+
+def test_local_tasks_describe_chief_workers_and_servers():
+    tasks = ParameterServerBackend.local_tasks(2, 1, ["train.py"])
+    assert [(t.name, t.serves) for t in tasks] == [("chief:0", False), ("worker:0", True), ("worker:1", True),
+                                                   ("ps:0", True)]
+    config = json.loads(tasks[0].env["TF_CONFIG"])
+    addresses = [a for kind in config["cluster"].values() for a in kind]
+    assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
+    with pytest.raises(KerasDistError, match="add --ps 1"):
+        ParameterServerBackend.local_tasks(2, 0, ["train.py"])
+
+
+class ReadsBatchLogs(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        print(logs["loss"])
+
+
+class RampsTheRate(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        pass
+
+
+def test_callbacks_that_need_batch_logs_are_refused_in_one_line(tmp_path):
+    with pytest.raises(KerasDistError, match="ReadsBatchLogs reads per-batch logs") as error:
+        refuse_batch_log_readers(keras.callbacks.CallbackList([ReadsBatchLogs()]))
+    assert "\n" not in str(error.value)
+    with pytest.raises(KerasDistError, match="ModelCheckpoint"):
+        refuse_batch_log_readers(keras.callbacks.CallbackList(
+            [keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=10)]))
+    refuse_batch_log_readers(keras.callbacks.CallbackList([
+        RampsTheRate(), keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
+        keras.callbacks.TensorBoard(str(tmp_path / "tb")), keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+        keras.callbacks.EarlyStopping(), keras.callbacks.ProgbarLogger()]))

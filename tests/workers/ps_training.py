@@ -1,0 +1,58 @@
+"""A parameter-server training script for the fault-tolerance tests (the chief runs it all).
+
+    python ps_training.py OUT_DIR EPOCHS STEPS_PER_EPOCH
+
+Trains from a dataset function (built on every worker) with BackupAndRestore in
+OUT_DIR/backup, prints "epoch N begin" as each epoch starts (the tests kill tasks on
+cue), and writes OUT_DIR/result.json: epochs run, their durations, the optimizer's step
+count, the history, and an exact evaluation of the final weights.
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+import keras_dist
+
+out_dir, epochs, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = np.random.default_rng(0)
+x = rng.normal(size=(512, 8)).astype("float32")
+y = (x @ rng.normal(size=(8, 1))).astype("float32")
+
+
+def dataset_fn(input_context):
+    # Built on each worker: its own endless, shuffled copy of the data.
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512).repeat().batch(16)
+
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)])
+keras_dist.compile(model, optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+
+
+class EpochLog(keras.callbacks.Callback):
+    epochs, seconds = [], []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.monotonic()
+        self.epochs.append(epoch)
+        print(f"epoch {epoch} begin", flush=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.monotonic() - self.start)
+
+
+history = model.fit(dataset_fn, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                    callbacks=[keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup")), EpochLog()])
+evaluation = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+reference = float(np.mean((model.predict(x, batch_size=100, verbose=0) - y) ** 2))
+with open(os.path.join(out_dir, "result.json"), "w") as f:
+    json.dump({"epochs_run": EpochLog.epochs, "epoch_seconds": EpochLog.seconds, "history": history.history,
+               "iterations": int(model.optimizer.iterations.numpy()), "evaluate": evaluation,
+               "reference_mse": reference}, f)
+print("done", flush=True)
