@@ -16,8 +16,8 @@ need cmake "Debian/Ubuntu: apt-get install -y cmake, or pip install cmake"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv || { echo "error: '$PYTHON -m venv' failed; install the venv module (Debian/Ubuntu: apt-get install -y python3-venv)" >&2; exit 1; }
 fi
-# Reinstall only when the dependency list or the Horovod build recipe changed.
-stamp=".venv/.deps-$(cat setup.cfg tools/build_horovod.sh | sha1sum | cut -c1-12)"
+# Reinstall only when the dependency list, the Horovod build recipe or the compiled part changed.
+stamp=".venv/.deps-$(cat setup.cfg setup.py keras_dist/bind_loopback.c tools/build_horovod.sh | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then tf="tf-gpu"; else tf="tf-cpu"; fi

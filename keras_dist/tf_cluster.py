@@ -1,10 +1,18 @@
 """TF_CONFIG, the cluster description every `tf.distribute` multi-process backend reads.
 
 Backend-agnostic: the multi-worker and parameter-server backends both parse it here, so
-a malformed TF_CONFIG gets the same one-line error whichever backend reads it.
+a malformed TF_CONFIG gets the same one-line error whichever backend reads it, and both
+prepare the processes that run TensorFlow's gRPC servers here (`prepare_server_process`).
 """
 
+import ctypes
+import errno
+import ipaddress
 import json
+import os
+import socket
+import sys
+from pathlib import Path
 
 from keras_dist.errors import KerasDistError
 
@@ -46,3 +54,204 @@ def parse_tf_config(text):
     if duplicates:
         raise KerasDistError(f"TF_CONFIG lists {duplicates[0]} more than once; give every task its own host:port")
     return cluster, kind, index
+
+
+BIND_ALL_ENV = "KERAS_DIST_BIND_ALL"
+# Read by the preloaded library (keras_dist/bind_loopback.c): the address replacing wildcards.
+BIND_LOOPBACK_ENV = "KERAS_DIST_BIND_LOOPBACK"
+BIND_LIBRARY = Path(__file__).with_name("_bind_loopback.so")
+
+
+def prepare_server_process(environ):
+    """Prepares a process that will run its TF_CONFIG task's TensorFlow gRPC server.
+
+    Call it from a backend's `prepare_process`, before the server starts. It
+
+    1. checks that the task's port is free (or already served by this process, when the
+       script started its strategy first), so a clash is a one-line error instead of
+       TensorFlow's "Could not start gRPC server";
+    2. when every TF_CONFIG address is on this machine (127.x or localhost), makes the
+       process's TCP listeners bind to its loopback address instead of all interfaces.
+       TensorFlow hard-codes a wildcard listen address, and its servers run whatever
+       graph a client sends, without authentication. Unless the library that rewrites
+       wildcard binds (`keras_dist/_bind_loopback.so`, built at install) is loaded already,
+       the process restarts itself (same interpreter and command line, `sys.orig_argv`)
+       with it in LD_PRELOAD. Code that runs before `import keras_dist` therefore runs
+       twice, and child processes inherit the setting.
+
+    Set KERAS_DIST_BIND_ALL=1 to keep TensorFlow's listeners on all interfaces (for
+    instance to reach a local cluster from another machine); the port check still runs.
+
+    Args:
+        environ: the process environment (`os.environ`); TF_CONFIG must be set.
+
+    Raises:
+        KerasDistError: the port is taken, the library is missing (not Linux, or no C
+            compiler at install), or the process cannot restart (an interactive Python).
+
+    Example:
+
+    ```python
+    @classmethod
+    def prepare_process(cls, environ):
+        prepare_server_process(environ)
+        ...  # start the strategy or tf.distribute.Server
+    ```
+    """
+    cluster, kind, index = parse_tf_config(environ["TF_CONFIG"])
+    address = cluster[kind][index]
+    host, port = _split_address(address)
+    if port is None:
+        raise KerasDistError(f"TF_CONFIG gives {kind}:{index} the address {address!r}, which has no port; write it as host:port")
+    local = all(_loopback_ipv4(_split_address(a)[0]) for tasks in cluster.values() for a in tasks)
+    loopback = _loopback_ipv4(host) if local and environ.get(BIND_ALL_ENV) != "1" else None
+    # Where the server will listen: TensorFlow's wildcard (dual-stack when the machine
+    # has IPv6), or the loopback address the library puts in its place.
+    listen_host = loopback or ("::" if socket.has_dualstack_ipv6() else "0.0.0.0")
+    _check_port_free(listen_host, port, f"TF_CONFIG gives {kind}:{index} the address {address}")
+    if loopback:
+        _restart_with_loopback_binding(environ, loopback)
+
+
+def _split_address(address):
+    """`(host, port)` from `host:port` or `[v6]:port`; the port is None when missing."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else None
+
+
+def _loopback_ipv4(host):
+    """The IPv4 loopback address `host` names (localhost: 127.0.0.1), else None."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        loopback = ipaddress.IPv4Address(host)
+    except ValueError:
+        return None
+    return str(loopback) if loopback.is_loopback else None
+
+
+def _check_port_free(host, port, what):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As gRPC does: connections of an earlier run still in TIME_WAIT do not block the port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            # Bound, never listening: closing it frees the port at once.
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE and _listening_in_this_process(port):
+                return  # TensorFlow already serves this task here: the script started it first
+            if exc.errno == errno.EADDRINUSE:
+                raise KerasDistError(f"{what}, which another process is using; free the port or pick another") from None
+            raise KerasDistError(f"{what}, on which this process cannot listen ({exc.strerror}); pick another port") from None
+
+
+def _listening_in_this_process(port):
+    """Whether a TCP socket of this process listens on `port` (False where /proc is missing)."""
+    sockets = set()
+    try:
+        listeners = tcp_listeners()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                sockets.add(os.readlink(f"/proc/self/fd/{fd}"))  # "socket:[INODE]"
+            except OSError:  # closed meanwhile
+                pass
+    except OSError:
+        return False
+    return any(p == port and f"socket:[{inode}]" in sockets for _, p, inode in listeners)
+
+
+def tcp_listeners():
+    """`(address, port, inode)` for every listening TCP socket, read from /proc/net (Linux).
+
+    Covers every process in this network namespace; `inode` matches the
+    `socket:[INODE]` links under `/proc/PID/fd`.
+
+    Returns:
+        A list of `(ipaddress.IPv4Address | IPv6Address, int, str)`.
+
+    Example:
+
+    ```python
+    exposed = [port for address, port, _ in tcp_listeners() if address.is_unspecified]
+    ```
+    """
+    listeners = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            rows = [line.split() for line in f][1:]
+        for row in rows:
+            address, port = row[1].split(":")
+            if row[3] == "0A":  # LISTEN
+                # The kernel prints the address as 32-bit words in host byte order.
+                raw = b"".join(int(address[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(address), 8))
+                listeners.append((ipaddress.ip_address(raw), int(port, 16), row[9]))
+    return listeners
+
+
+def _active_loopback_address():
+    """The address the preloaded library binds to, or None when it is not loaded or inactive."""
+    try:
+        reader = ctypes.CDLL(None).keras_dist_bind_loopback_address
+    except AttributeError:
+        return None
+    reader.restype = ctypes.c_char_p
+    value = reader()
+    return value.decode() if value else None
+
+
+def loopback_binding_env(environ, address):
+    """Variables that make a new process's TCP listeners bind to `address`, not all interfaces.
+
+    `prepare_server_process` restarts a process with them. A launcher that starts a local
+    cluster can set them on each task up front, sparing it that restart (and a second
+    TensorFlow import). KERAS_DIST_BIND_ALL=1 in the task's environment still wins.
+
+    Args:
+        environ: the environment the new process inherits; its LD_PRELOAD entries are kept.
+        address: the IPv4 loopback address, e.g. `"127.0.0.1"`.
+
+    Returns:
+        `{"LD_PRELOAD": ..., "KERAS_DIST_BIND_LOOPBACK": address}`.
+
+    Raises:
+        KerasDistError: the library is missing (not Linux, or no C compiler at install).
+
+    Example:
+
+    ```python
+    Task("worker:0", argv, env={"TF_CONFIG": config, **loopback_binding_env(os.environ, "127.0.0.1")})
+    ```
+    """
+    if not BIND_LIBRARY.exists():
+        raise KerasDistError(
+            f"{BIND_LIBRARY} is missing (it is built when keras_dist is installed on Linux with a C compiler); "
+            f"reinstall keras_dist, {_OPT_OUT}"
+        )
+    others = [p for p in _preloaded(environ) if p != str(BIND_LIBRARY)]
+    return {"LD_PRELOAD": ":".join([str(BIND_LIBRARY), *others]), BIND_LOOPBACK_ENV: address}
+
+
+_OPT_OUT = f"or set {BIND_ALL_ENV}=1 to let TensorFlow listen on all interfaces"
+
+
+def _preloaded(environ):
+    return [p for p in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+
+
+def _restart_with_loopback_binding(environ, address):
+    if _active_loopback_address() == address:
+        return
+    if environ.get(BIND_LOOPBACK_ENV) == address and str(BIND_LIBRARY) in _preloaded(environ):
+        # Set up already (by a launcher or our own restart): the dynamic loader refused the library.
+        raise KerasDistError(f"{BIND_LIBRARY} is in LD_PRELOAD but was not loaded (see the loader's message above); {_OPT_OUT}")
+    if sys.argv[0] in ("", "-") or not sys.executable:
+        raise KerasDistError(
+            f"an interactive Python cannot restart itself to listen on {address} only; start it with "
+            f"LD_PRELOAD={BIND_LIBRARY} {BIND_LOOPBACK_ENV}={address}, {_OPT_OUT}"
+        )
+    env = {**environ, **loopback_binding_env(environ, address)}
+    # Buffered output is dropped, not flushed: the new process prints it again.
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -17,7 +17,7 @@ import keras
 
 from keras_dist.backends.tf_strategy import StrategyBackend
 from keras_dist.errors import KerasDistError
-from keras_dist.tf_cluster import parse_tf_config
+from keras_dist.tf_cluster import loopback_binding_env, parse_tf_config, prepare_server_process
 
 _MEMBERS = ("chief", "worker")  # task types that train; "evaluator" does not
 # Created by `prepare_process`: collective ops must be configured at program start-up.
@@ -57,6 +57,7 @@ class MultiWorkerMirroredBackend(StrategyBackend):
             # Workers sharing this machine would each size a thread pool for all of it.
             environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(local)))
         if _strategy is None:
+            prepare_server_process(environ)
             _strategy = _make_strategy()
 
     @classmethod
@@ -66,9 +67,11 @@ class MultiWorkerMirroredBackend(StrategyBackend):
         if num_ps:
             raise KerasDistError("backend 'multi_worker_mirrored' has no parameter servers; drop --ps")
         workers = [f"127.0.0.1:{port}" for port in free_loopback_ports(num_workers)]
+        loopback = loopback_binding_env(os.environ, "127.0.0.1")  # spares each task a restart
         return [
             Task(f"worker:{i}", [sys.executable, *argv],
-                 env={"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})})
+                 env={"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
+                      **loopback})
             for i in range(num_workers)
         ]
 
