@@ -15,6 +15,7 @@ from conftest import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, _kill_groups, run
 from keras_dist import backends
 from keras_dist.backends.parameter_server import ParameterServerBackend, refuse_batch_log_readers
 from keras_dist.errors import KerasDistError
+from keras_dist.tf_cluster import tcp_listeners
 
 pytestmark = pytest.mark.timeout(600)
 EXAMPLES = ROOT / "examples"
@@ -127,6 +128,13 @@ def test_training_survives_a_killed_worker_and_takes_it_back(tmp_path, cluster_f
     epochs, steps = 4, 150
     cluster = cluster_factory(2, 1, [WORKERS / "ps_training.py", tmp_path, epochs, steps])
     cluster.wait_for_line("epoch 1 begin", timeout=240)
+    # Every task of the cluster serves gRPC, on loopback only (TensorFlow alone: all interfaces).
+    ports = {int(a.rsplit(":", 1)[1]) for t in cluster.tasks.values()
+             for kind in json.loads(t.env["TF_CONFIG"])["cluster"].values() for a in kind}
+    listening = {(getattr(address, "ipv4_mapped", None) or address, port) for address, port, _ in tcp_listeners()
+                 if port in ports}
+    assert {port for _, port in listening} == ports
+    assert all(address.is_loopback for address, _ in listening), listening
     time.sleep(0.5)  # mid-epoch
     cluster.kill("worker:1")
     cluster.wait_for_line("epoch 2 begin", timeout=240)
