@@ -126,3 +126,16 @@ def test_launch_fails_fast_when_one_task_dies(tmp_path):
 def test_backend_options_are_checked():
     with pytest.raises(KerasDistError, match="backend 'single' takes no option tpu; remove it from keras_dist.init"):
         backends.create("single", tpu="my-tpu")
+
+
+def test_learning_rate_warmup_leaves_the_rate_alone_when_resumed_past_the_ramp():
+    class RestoreDecayedRate(keras.callbacks.Callback):  # what BackupAndRestore does after a decay
+        def on_train_begin(self, logs=None):
+            self.model.optimizer.learning_rate = 0.01
+
+    x = np.zeros((32, 4), "float32")
+    model = small_model()
+    keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, x[:, :1], batch_size=8, epochs=3, initial_epoch=2, verbose=0,
+              callbacks=[keras_dist.callbacks.LearningRateWarmup(warmup_epochs=1), RestoreDecayedRate()])
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.01)

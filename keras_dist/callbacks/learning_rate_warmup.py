@@ -34,6 +34,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self._target = None
         self._epoch = 0
         self._done = False
+        self._first_batch = True
         self._is_chief = True
 
     def on_train_begin(self, logs=None):
@@ -41,6 +42,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
         self._is_chief = current().is_chief
         self._done = False
+        self._first_batch = True
         self._target = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         if self.start_factor is None:
             self.start_factor = 1.0 / current().num_replicas
@@ -53,6 +55,12 @@ class LearningRateWarmup(keras.callbacks.Callback):
         progress = min(1.0, (self._epoch + batch / steps) / self.warmup_epochs)
         if self._done:
             return
+        if progress >= 1.0 and self._first_batch:
+            # Resumed past the ramp (BackupAndRestore): the restored rate, perhaps already
+            # decayed by a schedule callback, stands.
+            self._done = True
+            return
+        self._first_batch = False
         factor = self.start_factor + (1 - self.start_factor) * progress
         self.model.optimizer.learning_rate = self._target * factor
         self._done = progress >= 1.0
