@@ -1,4 +1,4 @@
-"""The examples: the two-line change, the README's main job, and training from TFDS."""
+"""The examples: the two-line change, the README's main job, training from TFDS, ResNet-50 on ImageNet."""
 
 import ast
 import difflib
@@ -46,11 +46,16 @@ def checksum(out, prefix=""):
     return [tuple(float(v) for v in match) for match in found]
 
 
+def prepare_tfds_dataset(module, data_dir):
+    """Runs `prepare(data_dir)` of an examples/ module that writes a dataset in TFDS's format."""
+    script = f"import sys; sys.path.insert(0, {str(EXAMPLES)!r}); import {module}; {module}.prepare({str(data_dir)!r})"
+    code, out = run([PYTHON, "-c", script], timeout=180)
+    assert code == 0, out[-4000:]
+
+
 def test_tfds_dataset_built_locally_trains_two_ranks_like_one_process_at_double_batch(tmp_path):
     data_dir = tmp_path / "tfds"
-    code, out = run([PYTHON, "-c", f"import sys; sys.path.insert(0, {str(EXAMPLES)!r}); import synthetic_tfds; "
-                     f"synthetic_tfds.prepare({str(data_dir)!r})"], timeout=180)
-    assert code == 0, out[-4000:]
+    prepare_tfds_dataset("synthetic_tfds", data_dir)
     code, out = run([BIN / "keras-dist", "launch", "-n", 2, EXAMPLES / "tfds_classifier.py", data_dir],
                     timeout=300, env={"EPOCHS": "1", "BATCH_SIZE": "16"})
     assert code == 0, out[-4000:]
@@ -63,3 +68,54 @@ def test_tfds_dataset_built_locally_trains_two_ranks_like_one_process_at_double_
     assert two_ranks[0][0] == pytest.approx(single[0], abs=2e-3)
     assert two_ranks[0][1] == pytest.approx(single[1], rel=1e-5)
     assert single[0] > 0.5
+
+
+RESNET = EXAMPLES / "resnet50_imagenet.py"
+# The smallest images ResNet-50 takes, and few steps: building and tracing the model dominate anyway.
+TINY_RESNET_RUN = ["--image-size", 32, "--batch-size", 4, "--epochs", 2, "--steps-per-epoch", 2,
+                   "--validation-steps", 1]
+COMPUTE_DTYPES = {"float32": "float32", "mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+
+
+def event_files(output_dir, subdir):
+    return list((output_dir / "tensorboard" / subdir).glob("events.out.tfevents.*"))
+
+
+def test_resnet50_example_resumes_after_preemption_with_two_horovod_processes(tmp_path):
+    """One test for the whole job and its resumption: each 2-process ResNet-50 run takes about a minute."""
+    launch = [BIN / "keras-dist", "launch", "--backend", "horovod", "-n", 2, RESNET, *TINY_RESNET_RUN,
+              "--output-dir", tmp_path]
+    code, out = run([*launch, "--exit-after-epochs", 1], timeout=240)
+    assert code != 0, out[-4000:]  # the chief was killed
+    assert "[0]<stdout>:Epoch 1/2" in out and "Epoch 2/2" not in out, out[-4000:]
+    assert (tmp_path / "backup").is_dir()
+    assert len(event_files(tmp_path, "train")) == 1  # the chief's only
+
+    code, out = run(launch, timeout=240)
+    assert code == 0, out[-4000:]
+    assert "[0]<stdout>:Epoch 2/2" in out and "Epoch 1/2" not in out, out[-4000:]
+    assert "[1]<stdout>:Epoch" not in out  # progress on the chief only
+    finished = re.findall(r"\[(\d)\]<stdout>:epochs run: ([\d ]+?)  final loss: ([0-9.]+)", out)
+    assert sorted(rank for rank, _, _ in finished) == ["0", "1"], out[-4000:]
+    assert {(epochs, loss) for _, epochs, loss in finished} == {("2", finished[0][2])}  # global logs: same on both
+    policies = re.findall(r"precision policy: (\w+), compute dtype: (\w+),", out)
+    assert len(policies) == 2 and all(COMPUTE_DTYPES[policy] == dtype for policy, dtype in policies)
+    assert (tmp_path / "best.keras").is_file()
+    assert not (tmp_path / "backup").exists()  # removed once training completes
+    # One events file per run: the chief's.
+    assert len(event_files(tmp_path, "train")) == 2 and len(event_files(tmp_path, "validation")) == 2
+
+
+def test_resnet50_example_reads_imagenet_from_tfds_in_mixed_bfloat16(tmp_path):
+    data_dir = tmp_path / "tfds"
+    prepare_tfds_dataset("tiny_imagenet_tfds", data_dir)
+    # Default steps: 8 training images at a global batch of 2 x 2 make 2 steps; each process
+    # validates on its half of the 4 validation images.
+    code, out = run([BIN / "keras-dist", "launch", "--backend", "horovod", "-n", 2, RESNET, "--data-dir", data_dir,
+                     "--precision", "mixed_bfloat16", "--image-size", 32, "--batch-size", 2, "--epochs", 1,
+                     "--output-dir", tmp_path / "run"], timeout=240)
+    assert code == 0, out[-4000:]
+    assert out.count("precision policy: mixed_bfloat16, compute dtype: bfloat16, variable dtype: float32") == 2
+    assert "[0]<stdout>:2/2 - " in out, out[-4000:]
+    losses = re.findall(r"<stdout>:epochs run: 1  final loss: ([0-9.]+)", out)
+    assert len(losses) == 2 and losses[0] == losses[1], out[-4000:]
