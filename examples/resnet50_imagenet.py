@@ -157,11 +157,10 @@ def main():
         train, validation, num_classes, num_train_examples = imagenet_splits(args.data_dir, cluster.size, cluster.rank)
     else:
         train, validation, num_classes, num_train_examples = synthetic_splits(cluster.size, cluster.rank)
-    # A process that drives several GPUs (multi_worker_mirrored) feeds all of them.
-    process_batch_size = args.batch_size * (cluster.num_replicas // cluster.size)
-    train = input_pipeline(train, lambda jpeg: random_crop_and_flip(jpeg, args.image_size), process_batch_size, True)
+    # Batched per replica: keras_dist feeds a process that drives several GPUs that many batches.
+    train = input_pipeline(train, lambda jpeg: random_crop_and_flip(jpeg, args.image_size), args.batch_size, True)
     validation = input_pipeline(
-        validation, lambda jpeg: resize_and_center_crop(jpeg, args.image_size), process_batch_size, False)
+        validation, lambda jpeg: resize_and_center_crop(jpeg, args.image_size), args.batch_size, False)
     steps_per_epoch = args.steps_per_epoch or num_train_examples // (args.batch_size * cluster.num_replicas)
 
     backbone = keras.applications.ResNet50(

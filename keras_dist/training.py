@@ -49,6 +49,9 @@ class DistributedTraining:
         x = args.get("x")
         batch = self._process_batch(args.get(batch_key))
         if isinstance(x, tf.data.Dataset):
+            if batch is None and self.backend.replicas_per_process > 1:
+                # The dataset's own batch is per replica, like batch_size for arrays.
+                batch = sharding.dataset_batch_size(x)[0] * self.backend.replicas_per_process
             args["x"] = sharding.shard_dataset(x, self.num_shards, self.backend.input_shard_index, pad, batch)
         elif x is not None and sharding.is_array_input(x):
             arrays = {k: args[k] for k in _INPUT_NAMES if k in args}

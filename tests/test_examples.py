@@ -119,3 +119,18 @@ def test_resnet50_example_reads_imagenet_from_tfds_in_mixed_bfloat16(tmp_path):
     assert "[0]<stdout>:2/2 - " in out, out[-4000:]
     losses = re.findall(r"<stdout>:epochs run: 1  final loss: ([0-9.]+)", out)
     assert len(losses) == 2 and losses[0] == losses[1], out[-4000:]
+
+
+@pytest.mark.parametrize("backend, options, reporters", [
+    ("multi_worker_mirrored", [], ["worker:0", "worker:1"]),
+    ("parameter_server", ["--ps", 1], ["chief:0"]),  # workers and ps only serve
+])
+def test_two_line_example_launches_under_the_tf_distribute_backends(tmp_path, backend, options, reporters):
+    code, out = run([BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, *options,
+                     EXAMPLES / "train_distributed.py"], timeout=400, env={"EPOCHS": "2", "OUTPUT": str(tmp_path)})
+    assert code == 0, out[-4000:]
+    accuracies = dict(re.findall(r"\[([a-z]+:\d)\] test accuracy: ([0-9.]+)", out))
+    assert sorted(accuracies) == reporters, out[-3000:]
+    assert len(set(accuracies.values())) == 1  # the same global result on every reporting task
+    assert float(accuracies[reporters[0]]) > 0.6  # 10 classes: chance is 0.1
+    assert (tmp_path / "best.keras").is_file() and len((tmp_path / "log.csv").read_text().splitlines()) == 3
