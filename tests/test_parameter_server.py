@@ -10,10 +10,11 @@ import time
 
 import keras
 import pytest
+import tensorflow as tf
 
 from conftest import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, _kill_groups, run
 from keras_dist import backends
-from keras_dist.backends.parameter_server import ParameterServerBackend, refuse_batch_log_readers
+from keras_dist.backends.parameter_server import CoordinatedSteps, ParameterServerBackend, refuse_batch_log_readers
 from keras_dist.errors import KerasDistError
 from keras_dist.tf_cluster import tcp_listeners
 
@@ -207,3 +208,16 @@ def test_callbacks_that_need_batch_logs_are_refused_in_one_line(tmp_path):
         RampsTheRate(), keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
         keras.callbacks.TensorBoard(str(tmp_path / "tb")), keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
         keras.callbacks.EarlyStopping(), keras.callbacks.ProgbarLogger()]))
+
+
+def test_inputs_of_unknown_length_ask_for_steps_in_one_line():
+    # Both checks run before anything is scheduled: no cluster is needed to reach them.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    steps = CoordinatedSteps(model, strategy=None, coordinator=None)
+    with pytest.raises(KerasDistError, match="pass steps_per_epoch to fit"):
+        steps.fit(lambda input_context: tf.data.Dataset.range(4), epochs=1)
+    endless = tf.data.Dataset.from_tensors(([0.0, 0.0], [0.0])).repeat().batch(2)
+    with pytest.raises(KerasDistError, match="pass steps_per_epoch .*validation_steps or steps") as error:
+        steps.evaluate(endless)
+    assert "\n" not in str(error.value)
