@@ -55,9 +55,50 @@ class StrategyBackend(Backend):
                 f"backend {self.name!r} always averages gradients across replicas; "
                 "drop gradient_reduction='sum' (or scale the loss yourself)"
             )
+        adopt_optimizer(optimizer, self.strategy)
 
     def describe(self) -> dict:
         return {**super().describe(), "strategy": type(self.strategy).__name__}
+
+
+def adopt_optimizer(optimizer, strategy):
+    """Puts a Keras optimizer made outside any scope (the usual script) under `strategy`.
+
+    A Keras optimizer keeps the strategy current when it was made; building its slots
+    (Adam's moments) under another one fails with "Mixing different tf.distribute.Strategy
+    objects". Its variables move too, values kept.
+
+    Args:
+        optimizer: the compiled model's optimizer (a `LossScaleOptimizer`'s inner one too).
+        strategy: the `tf.distribute.Strategy` the model trains under.
+    """
+    for part in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if part is not None:
+            move_variables(part, strategy)
+            part._distribution_strategy = strategy
+
+
+def local_replica_devices(backend_name):
+    """Devices for one replica each: every local GPU, else every logical CPU device.
+
+    Logical CPU devices (`tf.config.set_logical_device_configuration`) let a
+    multi-replica strategy run, and be tested, on a machine without GPUs.
+
+    Args:
+        backend_name: the backend asking, named in the error when there is no device.
+
+    Example:
+
+    ```python
+    tf.distribute.MirroredStrategy(local_replica_devices("mirrored"))
+    ```
+    """
+    devices = [d.name for d in tf.config.list_logical_devices("GPU")]
+    if not devices:
+        devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if not devices:
+        raise KerasDistError(f"backend {backend_name!r} found no GPU or CPU device; check CUDA_VISIBLE_DEVICES")
+    return devices
 
 
 def move_variables(model, strategy):
@@ -65,7 +106,8 @@ def move_variables(model, strategy):
 
     Args:
         model: a `keras.Model`, built or not (unbuilt layers are created later, under
-            the scope `keras_dist.compile` opens, or by Keras's build inside `fit`).
+            the scope `keras_dist.compile` opens, or by Keras's build inside `fit`), or
+            a Keras optimizer (its step counter and learning rate).
         strategy: the `tf.distribute.Strategy` the variables must belong to.
 
     Example:
