@@ -9,6 +9,7 @@ import threading
 import time
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -115,6 +116,8 @@ def test_recommendation_example_converges_like_one_process(tmp_path):
     code, out = launch(2, 2, [EXAMPLES / "recommendation.py"], env=env)
     assert code == 0, out[-4000:]
     distributed = float(re.search(r"\[chief:0\] test accuracy: ([0-9.]+)", out).group(1))
+    # Each step trains one per-worker batch (128) on one worker: 100000 samples, 782 steps.
+    assert "[chief:0] 782/782" in out, out[-3000:]
     assert re.search(r"\[chief:0\] user table on /job:ps/replica:0/task:[01]/", out), out[-2000:]
     assert "[worker:0] Epoch" not in out and "[chief:0] Epoch 2/2" in out  # only the chief runs the script
     code, out = run([PYTHON, EXAMPLES / "recommendation.py"], timeout=300, env={**env, "KERAS_DIST_BACKEND": "single"})
@@ -204,6 +207,10 @@ def test_callbacks_that_need_batch_logs_are_refused_in_one_line(tmp_path):
     with pytest.raises(KerasDistError, match="ModelCheckpoint"):
         refuse_batch_log_readers(keras.callbacks.CallbackList(
             [keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=10)]))
+    for callback in (keras.callbacks.TerminateOnNaN(), keras.callbacks.LambdaCallback(on_train_batch_end=print),
+                     keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq=5)):
+        with pytest.raises(KerasDistError, match=type(callback).__name__):
+            refuse_batch_log_readers(keras.callbacks.CallbackList([callback]))
     refuse_batch_log_readers(keras.callbacks.CallbackList([
         RampsTheRate(), keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
         keras.callbacks.TensorBoard(str(tmp_path / "tb")), keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
@@ -217,6 +224,8 @@ def test_inputs_of_unknown_length_ask_for_steps_in_one_line():
     steps = CoordinatedSteps(model, strategy=None, coordinator=None)
     with pytest.raises(KerasDistError, match="pass steps_per_epoch to fit"):
         steps.fit(lambda input_context: tf.data.Dataset.range(4), epochs=1)
+    with pytest.raises(KerasDistError, match="has no batches"):
+        steps.fit(np.zeros((0, 2), "float32"), np.zeros((0, 1), "float32"))
     endless = tf.data.Dataset.from_tensors(([0.0, 0.0], [0.0])).repeat().batch(2)
     with pytest.raises(KerasDistError, match="pass steps_per_epoch .*validation_steps or steps") as error:
         steps.evaluate(endless)

@@ -10,9 +10,12 @@ Training is asynchronous: each closure reads the variables on the ps tasks, comp
 one batch's update and applies it, while other workers do the same.
 """
 
+import itertools
 import json
 import os
 import sys
+import weakref
+from collections import deque
 
 import keras
 import numpy as np
@@ -128,33 +131,50 @@ class ParameterServerBackend(Backend):
                                  "only the 'chief' task runs the script past `import keras_dist`")
         self.num_workers = len(cluster["worker"])
         self.strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver())
+        if self.strategy.num_replicas_in_sync > 1:
+            # Each closure trains one batch the chief read; splitting it over a worker's GPUs is not done.
+            raise KerasDistError("backend 'parameter_server' runs one replica per worker; give each worker task one "
+                                 "GPU (CUDA_VISIBLE_DEVICES) and start more worker tasks")
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
-        self._steps = {}  # model id -> CoordinatedSteps
+        self._steps = weakref.WeakKeyDictionary()  # model -> CoordinatedSteps of its latest compile
 
     @property
     def num_replicas(self) -> int:
         return self.num_workers
+
+    @property
+    def replicas_per_process(self) -> int:
+        return 1  # the chief reads batches of the script's size; each runs on one worker
 
     def scope(self):
         return self.strategy.scope()
 
     def prepare_model(self, model):
         move_variables(model, self.strategy)
+        self._steps.pop(model, None)  # a recompiled model gets new step functions
         return model
 
     def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
         if options.reduction != "mean" or options.compression:
             raise KerasDistError("backend 'parameter_server' applies each worker's gradients as they come; "
                                  "drop gradient_reduction and gradient_compression")
+        # These assign variables inside `tf.cond` branches, which the stateless step
+        # (see CoordinatedSteps) cannot hand back to the ps tasks.
+        for option in ("gradient_accumulation_steps", "ema_overwrite_frequency"):
+            if getattr(optimizer, option, None):
+                raise KerasDistError(f"backend 'parameter_server' does not support the optimizer's {option}; drop it")
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise KerasDistError("backend 'parameter_server' does not support LossScaleOptimizer (mixed_float16); "
+                                 "use float32 or mixed_bfloat16")
         adopt_optimizer(optimizer, self.strategy)
 
     def describe(self) -> dict:
         return {**super().describe(), "workers": self.num_workers, "strategy": "ParameterServerStrategy"}
 
     def run_loop(self, method, model, keras_method, arguments):
-        steps = self._steps.get(id(model))
+        steps = self._steps.get(model)
         if steps is None:
-            steps = self._steps[id(model)] = CoordinatedSteps(model, self.strategy, self.coordinator)
+            steps = self._steps[model] = CoordinatedSteps(model, self.strategy, self.coordinator, self.num_workers)
         try:
             return getattr(steps, method)(**arguments)
         except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as exc:
@@ -168,50 +188,57 @@ def _lost_task_message(exc):
 
 
 class CoordinatedSteps:
-    """`fit`, `evaluate` and `predict` of one model, as closures scheduled on workers.
+    """`fit`, `evaluate` and `predict` of one compiled model, as closures scheduled on workers.
 
-    Every closure runs Keras's own step function. Metric states are not accumulated on
-    the ps tasks (Keras 3 updates them with read-then-write, which loses updates when
-    workers run at once, and a retried closure would count twice): each closure starts
-    them at zero in a `keras.StatelessScope`, returns them, and the chief sums what the
-    completed closures returned.
+    Every closure runs Keras's own step function inside a `keras.StatelessScope` whose
+    metric states start at zero; it writes the other variables the step assigned back
+    to the ps tasks and returns the metric states, which the chief sums. Metric states
+    are not accumulated on the ps tasks: Keras 3 updates them with read-then-write,
+    which loses updates when workers run at once, and a retried closure would count twice.
 
     Args:
         model: the compiled model, its variables under `strategy`.
         strategy: the `ParameterServerStrategy`.
         coordinator: its `ClusterCoordinator`.
+        num_workers: how many workers share the steps (bounds the closures in flight).
     """
 
-    def __init__(self, model, strategy, coordinator):
+    def __init__(self, model, strategy, coordinator, num_workers=1):
         self.model = model
         self.strategy = strategy
         self.coordinator = coordinator
-        self._functions = {}
+        # Enough queued steps to keep every worker busy, few enough that the chief reads
+        # ahead of the workers by a handful of batches only.
+        self.max_in_flight = 4 * num_workers
+        self._step_functions = {}
 
     # --- the closures ---------------------------------------------------------
     def _metric_variables(self):
         return [v for m in self.model.metrics for v in m.variables]
 
-    def _closure(self, kind):
-        """A `tf.function` running one step of `kind` ("train", "test", "predict") on a worker."""
-        if kind in self._functions:
-            return self._functions[kind]
+    def _step_function(self, kind, per_worker_input=False):
+        """A `tf.function` running one `kind` step ("train", "test", "predict") on a worker.
+
+        It takes a batch, or with `per_worker_input` an iterator of a per-worker dataset.
+        """
+        key = (kind, per_worker_input)
+        if key in self._step_functions:
+            return self._step_functions[key]
         model = self.model
         step = {"train": model.train_step, "test": model.test_step, "predict": model.predict_step}[kind]
         metric_variables = self._metric_variables()
-        metric_ids = {id(v) for v in metric_variables}
         iterations = model.optimizer.iterations if model.optimizer is not None else None
-        # Variables a step may assign besides metric states (BatchNorm statistics, loss scale).
-        written = [v for v in model.non_trainable_variables + (model.optimizer.variables if model.optimizer else [])
-                   if id(v) not in metric_ids and v is not iterations]
+        skipped = {id(v) for v in metric_variables} | {id(iterations)}
+        optimizer_variables = model.optimizer.variables if model.optimizer is not None else []
+        written = [v for v in model.variables + optimizer_variables if id(v) not in skipped]
 
         def run_step(data):
             if kind == "predict":
                 return step(data)
             zeros = [(v, tf.zeros(v.shape, v.dtype)) for v in metric_variables]
-            with keras.StatelessScope(state_mapping=zeros) as scope:
+            with keras.StatelessScope(state_mapping=zeros, collect_losses=True) as scope:
                 step(data)
-            for variable in written:
+            for variable in written:  # BatchNorm statistics, weight constraints
                 value = scope.get_current_value(variable)
                 if value is not None:
                     variable.assign(value)
@@ -219,48 +246,70 @@ class CoordinatedSteps:
                 iterations.value.assign_add(1)  # atomic on the ps, unlike Keras's read-then-write
             return [scope.get_current_value(v) for v in metric_variables]
 
-        @tf.function
-        def per_batch(data):
-            return self.strategy.run(run_step, args=(data,))
+        if per_worker_input:
+            function = tf.function(lambda iterator: self.strategy.run(run_step, args=(next(iterator),)))
+        else:
+            function = tf.function(lambda data: self.strategy.run(run_step, args=(data,)))
+        self._step_functions[key] = function
+        return function
 
-        @tf.function
-        def from_iterator(iterator):
-            return self.strategy.run(run_step, args=(next(iterator),))
-
-        self._functions[kind] = (per_batch, from_iterator)
-        return self._functions[kind]
-
-    def _build(self, batch):
-        """Creates every variable (model, optimizer, compiled metrics) before the first closure."""
+    def _build(self, batch, kind):
+        """Creates the variables a `kind` step uses before the first closure (none may create them)."""
         with self.strategy.scope():
-            self.model._symbolic_build(data_batch=batch)
-            if self.model.optimizer is not None and not self.model.optimizer.built:
-                self.model.optimizer.build(self.model.trainable_variables)
+            if kind == "predict":
+                if not self.model.built:
+                    keras.src.backend.compute_output_spec(self.model, batch)
+            else:
+                self.model._symbolic_build(data_batch=batch)
 
     def _results(self, remote_states):
         from keras_dist.training import metric_results
 
-        states = [np.sum([np.asarray(s[i]) for s in remote_states], axis=0) for i in range(len(self._metric_variables()))]
-        if not remote_states:
-            states = [np.asarray(v.numpy()) * 0 for v in self._metric_variables()]
-        return {k: float(np.asarray(v)) for k, v in metric_results(self.model.metrics, states).items()}
+        states = [np.zeros(v.shape, v.dtype) for v in self._metric_variables()]
+        for remote in remote_states:
+            states = [total + np.asarray(part) for total, part in zip(states, remote.fetch())]
+        results = metric_results(self.model.metrics, states)
+        return {name: float(value) if np.ndim(value) == 0 else np.asarray(value) for name, value in results.items()}
+
+    def _run(self, function, inputs, callbacks, hooks):
+        """Schedules `function` on each input, a bounded number in flight; returns the RemoteValues.
+
+        Batch hooks: `begin` as a step is scheduled, `end` (with empty logs: results
+        are remote) as it completes.
+        """
+        begin, end = hooks
+        scheduled, in_flight = [], deque()
+        for step, args in enumerate(inputs):
+            getattr(callbacks, begin)(step)
+            scheduled.append(self.coordinator.schedule(function, args=args))
+            in_flight.append(step)
+            if len(in_flight) >= self.max_in_flight:
+                scheduled[in_flight[0]].fetch()  # waits for the oldest step
+                getattr(callbacks, end)(in_flight.popleft(), {})
+            if self.model.stop_training:
+                break
+        self.coordinator.join()
+        for step in in_flight:
+            getattr(callbacks, end)(step, {})
+        return scheduled
 
     # --- inputs ---------------------------------------------------------------
-    def _chief_batches(self, x, y, sample_weight, batch_size, steps, shuffle, class_weight=None):
-        """A Keras data adapter over inputs the chief reads (arrays, datasets)."""
+    @staticmethod
+    def _adapter(x, y, sample_weight, batch_size, steps, shuffle, class_weight=None):
+        """Keras's data adapter over inputs the chief reads (arrays, datasets)."""
         from keras.src.trainers.data_adapters import get_data_adapter
 
         if isinstance(x, tf.data.Dataset) and steps is None and x.cardinality() == tf.data.INFINITE_CARDINALITY:
             raise KerasDistError("the dataset is infinite: pass steps_per_epoch (fit), validation_steps or steps "
                                  "(evaluate/predict) under backend 'parameter_server'")
-        adapter = get_data_adapter(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps,
-                                   shuffle=shuffle, class_weight=class_weight)
-        return adapter
+        return get_data_adapter(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps, shuffle=shuffle,
+                                class_weight=class_weight)
 
     @staticmethod
-    def _take(adapter, steps):
-        dataset = adapter.get_tf_dataset()
-        return dataset.take(steps) if steps is not None else dataset
+    def _first_batch(dataset):
+        for batch in dataset.take(1):
+            return batch
+        raise KerasDistError("the input has no batches; check that x is not empty")
 
     # --- fit ------------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
@@ -270,126 +319,127 @@ class CoordinatedSteps:
         if validation_split:
             raise KerasDistError("validation_split needs NumPy arrays under backend 'parameter_server'; "
                                  "pass validation_data instead")
-        per_worker = callable(x) and not isinstance(x, tf.data.Dataset)
-        if per_worker:
+        per_worker_input = callable(x) and not isinstance(x, tf.data.Dataset)
+        if per_worker_input:
             if steps_per_epoch is None:
                 raise KerasDistError("a dataset function is built on every worker and has no known length; "
                                      "pass steps_per_epoch to fit")
             iterator = iter(self.coordinator.create_per_worker_dataset(
                 lambda: self.strategy.distribute_datasets_from_function(x)))
-            self._build(next(iter(x(tf.distribute.InputContext()))))
+            dataset = None
+            if not model.built or not model.optimizer.built:
+                self._build(self._first_batch(x(tf.distribute.InputContext())), "train")
         else:
-            adapter = self._chief_batches(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, class_weight)
-            steps_per_epoch = steps_per_epoch or adapter.num_batches
-            self._build(next(iter(adapter.get_tf_dataset())))
-        per_batch, from_iterator = self._closure("train")
+            dataset = self._adapter(x, y, sample_weight, batch_size, steps_per_epoch, shuffle,
+                                    class_weight).get_tf_dataset()
+            self._build(self._first_batch(dataset), "train")
+        function = self._step_function("train", per_worker_input)
         verbose = 1 if verbose == "auto" else verbose
+        steps = steps_per_epoch or (None if per_worker_input else _known_length(dataset))
         callbacks = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
-                                                 verbose=verbose, epochs=epochs, steps=steps_per_epoch, model=model)
+                                                 verbose=verbose, epochs=epochs, steps=steps, model=model)
         refuse_batch_log_readers(callbacks)
         model.stop_training = False
         callbacks.on_train_begin()
         initial_epoch = model._initial_epoch or initial_epoch
-        logs = None
+        batches, logs = None, None
         for epoch in range(initial_epoch, epochs):
             callbacks.on_epoch_begin(epoch)
-            batches = None if per_worker else iter(self._take(adapter, steps_per_epoch))
-            scheduled = []
-            for step in range(steps_per_epoch):
-                if batches is None:
-                    closure, args = from_iterator, (iterator,)
-                else:
-                    batch = next(batches, None)
-                    if batch is None:
-                        break
-                    closure, args = per_batch, (batch,)
-                callbacks.on_train_batch_begin(step)
-                scheduled.append(self.coordinator.schedule(closure, args=args))
-                callbacks.on_train_batch_end(step, {})
-                if model.stop_training:
-                    break
-            self.coordinator.join()
-            logs = self._results([r.fetch() for r in scheduled])
-            if validation_data is not None and (epoch + 1) % validation_freq == 0:
+            if per_worker_input:
+                inputs = itertools.repeat((iterator,), steps_per_epoch)
+            else:
+                # With steps_per_epoch an epoch goes on where the last one stopped, as in Keras.
+                if batches is None or steps_per_epoch is None:
+                    batches = iter(dataset)
+                inputs = ((batch,) for batch in itertools.islice(batches, steps_per_epoch))
+            scheduled = self._run(function, inputs, callbacks, ("on_train_batch_begin", "on_train_batch_end"))
+            if not per_worker_input and steps_per_epoch is not None and len(scheduled) < steps_per_epoch:
+                batches = None  # ran out: the next epoch starts the input again
+            logs = self._results(scheduled)
+            if validation_data is not None and model._should_eval(epoch, validation_freq):
                 val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data) \
                     if isinstance(validation_data, tuple) else (validation_data, None, None)
-                val = self.evaluate(val_x, val_y, batch_size=validation_batch_size or batch_size,
-                                    sample_weight=val_weight, steps=validation_steps, verbose=0, return_dict=True)
-                logs.update({f"val_{k}": v for k, v in val.items()})
+                val_logs = self.evaluate(val_x, val_y, batch_size=validation_batch_size or batch_size,
+                                         sample_weight=val_weight, steps=validation_steps, verbose=0,
+                                         callbacks=callbacks, return_dict=True)
+                logs.update({f"val_{k}": v for k, v in val_logs.items()})
             callbacks.on_epoch_end(epoch, logs)
             if model.stop_training:
                 break
+        if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:
+            model.optimizer.finalize_variable_values(model.trainable_weights)
         callbacks.on_train_end(logs)
         return model.history
 
     # --- evaluate and predict ---------------------------------------------------
-    def _schedule_batches(self, kind, x, y, sample_weight, batch_size, steps, callbacks, verbose):
+    def _run_chief_batches(self, kind, x, y, sample_weight, batch_size, steps, callbacks, verbose):
         if callable(x) and not isinstance(x, tf.data.Dataset):
             x = x(tf.distribute.InputContext())  # read by the chief: exact, in order
-        adapter = self._chief_batches(x, y, sample_weight, batch_size, steps, shuffle=False)
-        dataset = self._take(adapter, steps)
-        first = next(iter(dataset), None)
-        if first is None:
-            return [], None
-        if kind == "test":
-            self._build(first)
-        else:
-            self._build(first if isinstance(first, tuple) else (first,))
-        per_batch, _ = self._closure(kind)
-        verbose = 1 if verbose == "auto" else verbose
-        callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
-                                                 steps=steps or adapter.num_batches, model=self.model)
+        dataset = self._adapter(x, y, sample_weight, batch_size, steps, shuffle=False).get_tf_dataset()
+        if steps is not None:
+            dataset = dataset.take(steps)
+        self._build(self._first_batch(dataset), kind)
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            verbose = 1 if verbose == "auto" else verbose
+            callbacks = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+                                                     steps=steps or _known_length(dataset), model=self.model)
         refuse_batch_log_readers(callbacks)
-        begin, end = ("on_test_begin", "on_test_end") if kind == "test" else ("on_predict_begin", "on_predict_end")
-        getattr(callbacks, begin)()
-        scheduled = [self.coordinator.schedule(per_batch, args=(batch,)) for batch in dataset]
-        self.coordinator.join()
-        return [r.fetch() for r in scheduled], (callbacks, end)
+        hooks = ("on_test_batch_begin", "on_test_batch_end") if kind == "test" else \
+            ("on_predict_batch_begin", "on_predict_batch_end")
+        return callbacks, lambda: self._run(self._step_function(kind), ((b,) for b in dataset), callbacks, hooks)
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
                  callbacks=None, return_dict=False, **kwargs):
-        remote, finish = self._schedule_batches("test", x, y, sample_weight, batch_size, steps, callbacks, verbose)
-        logs = self._results(remote)
-        if finish:
-            callbacks, end = finish
-            getattr(callbacks, end)(logs)
+        if kwargs:
+            raise KerasDistError(f"evaluate got unknown arguments {sorted(kwargs)}; remove them")
+        callbacks, run = self._run_chief_batches("test", x, y, sample_weight, batch_size, steps, callbacks, verbose)
+        callbacks.on_test_begin()
+        logs = self._results(run())
+        callbacks.on_test_end(logs)
         return logs if return_dict else self.model._flatten_metrics_in_order(logs)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        remote, finish = self._schedule_batches("predict", x, None, None, batch_size, steps, callbacks, verbose)
-        if finish:
-            callbacks, end = finish
-            getattr(callbacks, end)()
-        if not remote:
-            raise KerasDistError("predict got no input batches; check that x is not empty")
-        return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *remote)
+        callbacks, run = self._run_chief_batches("predict", x, None, None, batch_size, steps, callbacks, verbose)
+        callbacks.on_predict_begin()
+        outputs = [remote.fetch() for remote in run()]
+        callbacks.on_predict_end()
+        return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs)
 
 
-# Keras callbacks whose batch hooks do nothing with the logs in the configuration given.
-def _epoch_only(callback):
+def _known_length(dataset):
+    """Batches in `dataset`, or None when TensorFlow cannot tell (the loop then runs it out)."""
+    count = int(dataset.cardinality())
+    return count if count >= 0 else None
+
+
+def _epoch_level(callback):
+    """Whether a Keras callback with batch hooks leaves them idle in its configuration."""
     if isinstance(callback, (keras.callbacks.ProgbarLogger, keras.callbacks.History)):
         return True
     if isinstance(callback, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)):
         return getattr(callback, "save_freq", "epoch") in ("epoch", False)
     if isinstance(callback, keras.callbacks.TensorBoard):
-        return callback.update_freq == "epoch" and not getattr(callback, "_profile_batch", 0)
+        return callback.update_freq == "epoch"  # Keras 3 has no batch profiling
     return False
 
 
 def refuse_batch_log_readers(callbacks):
-    """One-line error for a callback that needs per-batch logs, which arrive only per epoch.
+    """One-line error for a callback that needs per-batch logs, which exist only per epoch.
 
     Steps run asynchronously on the workers; batch hooks are called as steps are
-    scheduled, with empty logs. Hooks that do not read logs (a learning-rate ramp in
-    `on_train_batch_begin`) work.
+    scheduled (`*_batch_begin`) and complete (`*_batch_end`, with empty logs). Hooks that
+    do not read logs (a learning-rate ramp in `on_train_batch_begin`) work.
+
+    Args:
+        callbacks: a `keras.callbacks.CallbackList`.
     """
-    base = keras.callbacks.Callback
+    from keras.src.utils.python_utils import is_default
+
     for callback in callbacks.callbacks:
-        reads_logs = any(getattr(type(callback), hook) is not getattr(base, hook)
-                         for hook in ("on_train_batch_end", "on_test_batch_end", "on_predict_batch_end"))
-        if reads_logs and not _epoch_only(callback):
+        reads_logs = any(not is_default(getattr(callback, hook)) for hook in
+                         ("on_batch_end", "on_train_batch_end", "on_test_batch_end", "on_predict_batch_end"))
+        if reads_logs and not _epoch_level(callback):
             raise KerasDistError(
                 f"{type(callback).__name__} reads per-batch logs, which backend 'parameter_server' has only at the end "
                 "of each epoch (steps run asynchronously); use epoch-level hooks or save_freq/update_freq='epoch'"
             )
-
