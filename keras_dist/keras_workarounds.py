@@ -25,6 +25,9 @@ def apply(model, strategy):
     build_from_local_batch(model, strategy)
     if not isinstance(strategy, tf.distribute.TPUStrategy):
         step_functions(model, strategy)
+    if isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
+        metric_increments_added_once(model)
+        layer_state_aggregated(model, strategy)
 
 
 def build_from_local_batch(model, strategy):
@@ -121,5 +124,73 @@ def step_functions(model, strategy):
             return outputs
 
         return steps
+
+    object.__setattr__(model, "_make_function", _make_function)
+
+
+def metric_increments_added_once(model):
+    """Makes metric states add each replica's increment once under CentralStorageStrategy.
+
+    Upstream: keras-team/keras#21054 (metric states wrong under tf.distribute). Keras 3
+    implements `Variable.assign_add(delta)` as `assign(self + delta)`. Under
+    CentralStorageStrategy a metric state is one variable on the CPU, aggregated with
+    SUM, and an `assign` from replica context stores the sum of the replicas' values:
+    every update adds the old total once more per extra replica, so losses and metrics
+    (in `fit`'s logs and `evaluate`'s result) grow wrong from the second step on. Here
+    the model's metric variables add through TensorFlow's own `assign_add`, which sums
+    the replicas' increments and adds them once.
+
+    Args:
+        model: the model; its `_make_function` is wrapped on this instance only, to
+            reach metric variables built after compile (Keras builds them before it
+            makes the step functions), and only those variables are changed.
+    """
+    make_function = model._make_function
+
+    def _make_function(step_function):
+        for variable in model.metrics_variables:
+            for name in ("assign_add", "assign_sub"):
+                object.__setattr__(variable, name, _tf_update(variable, name))
+        return make_function(step_function)
+
+    object.__setattr__(model, "_make_function", _make_function)
+
+
+def _tf_update(variable, name):
+    def update(delta):
+        tf_variable = variable._value
+        return getattr(tf_variable, name)(tf.cast(delta, tf_variable.dtype))
+
+    return update
+
+
+def layer_state_aggregated(model, strategy):
+    """Lets layers update their own state from replica context under CentralStorageStrategy.
+
+    Upstream: keras-team/keras#20611 and keras-team/keras#20541. Keras creates layer
+    state that the forward pass assigns (BatchNormalization's moving statistics,
+    Dropout's seed state) with aggregation "none". MirroredStrategy keeps a copy per
+    replica; CentralStorageStrategy keeps one, refuses such an assign from replica
+    context and the first training step fails with `You must specify an aggregation
+    method to update a AggregatingVariable in Replica Context`. Here each such variable
+    is re-created, value kept, with aggregation MEAN (floats: the replicas' moving
+    statistics are averaged, as tf.keras did) or ONLY_FIRST_REPLICA (integers: every
+    replica computes the same next seed).
+
+    Args:
+        model: the model; its `_make_function` is wrapped on this instance only, to
+            reach state that layers create when they are built, inside `fit`.
+        strategy: the model's CentralStorageStrategy.
+    """
+    make_function = model._make_function
+
+    def _make_function(step_function):
+        for variable in model.non_trainable_variables:
+            if variable.aggregation == "none" and variable._value is not None:
+                value = tf.convert_to_tensor(variable._value)
+                variable._aggregation = "mean" if value.dtype.is_floating else "only_first_replica"
+                with strategy.scope(), tf.init_scope():
+                    variable._initialize(value)
+        return make_function(step_function)
 
     object.__setattr__(model, "_make_function", _make_function)

@@ -19,6 +19,8 @@ REGISTRY = {
     "multi_worker_mirrored": "keras_dist.backends.multi_worker_mirrored:MultiWorkerMirroredBackend",
     "tpu": "keras_dist.backends.tpu:TPUBackend",
     "mirrored": "keras_dist.backends.mirrored:MirroredBackend",
+    "central_storage": "keras_dist.backends.central_storage:CentralStorageBackend",
+    "one_device": "keras_dist.backends.one_device:OneDeviceBackend",
     "single": "keras_dist.backends.single:SingleBackend",
 }
 

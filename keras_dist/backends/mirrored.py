@@ -1,8 +1,7 @@
 """`tf.distribute.MirroredStrategy`: one process, one replica per local GPU (or CPU device)."""
 
 
-from keras_dist.backends.tf_strategy import StrategyBackend
-from keras_dist.errors import KerasDistError
+from keras_dist.backends.tf_strategy import StrategyBackend, local_replica_devices
 
 
 def _visible_gpu_count(environ):
@@ -31,9 +30,4 @@ class MirroredBackend(StrategyBackend):
     def make_strategy(self):
         import tensorflow as tf
 
-        devices = [d.name for d in tf.config.list_logical_devices("GPU")]
-        if not devices:
-            devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-        if not devices:
-            raise KerasDistError("backend 'mirrored' found no GPU or CPU device; check CUDA_VISIBLE_DEVICES")
-        return tf.distribute.MirroredStrategy(devices)
+        return tf.distribute.MirroredStrategy(local_replica_devices(self.name))

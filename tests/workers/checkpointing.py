@@ -1,11 +1,12 @@
 """Chief-only files and resume: every rank passes its own copy of the same callbacks.
 
-    python checkpointing.py OUT_DIR EPOCHS [CRASH_AFTER_EPOCH]
+    python checkpointing.py OUT_DIR EPOCHS [CRASH_AFTER_EPOCH [CRASH_RANK]]
 
 Files go under OUT_DIR/files.RANK so a test can see which rank wrote what (a user's
 script gives every rank the same path; the path differs here only to tell them apart).
 The backup directory is shared, as on a shared file system. Each rank records the epochs
-it ran and its final weights in OUT_DIR/result.RANK.pkl.
+it ran and its final weights in OUT_DIR/result.RANK.pkl. With CRASH_AFTER_EPOCH, every rank
+(or only CRASH_RANK) exits with code 3 at the end of that epoch, as a killed process would.
 """
 
 import os
@@ -19,6 +20,7 @@ import keras_dist
 
 out_dir, epochs = sys.argv[1], int(sys.argv[2])
 crash_after = int(sys.argv[3]) if len(sys.argv) > 3 else None
+crash_rank = int(sys.argv[4]) if len(sys.argv) > 4 else None
 ctx = keras_dist.init()
 
 rng = np.random.default_rng(0)
@@ -37,7 +39,7 @@ class RecordEpochs(keras.callbacks.Callback):
         self.epochs_run.append(epoch)
 
     def on_epoch_end(self, epoch, logs=None):
-        if epoch == crash_after:
+        if epoch == crash_after and crash_rank in (None, ctx.rank):
             os._exit(3)  # a crash: no clean-up, no flush
 
 

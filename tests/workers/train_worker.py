@@ -1,6 +1,6 @@
 """A training script as a user would write it, run by the tests in a subprocess.
 
-Usage: python train_worker.py OUT_DIR [--batch B] [--steps-per-execution K] [--cpus N]
+Usage: python train_worker.py OUT_DIR [--batch B] [--steps-per-execution K] [--cpus N] [--adam] [--layer-state]
 Writes OUT_DIR/result-<rank>.json: final weights, history, evaluate and predict results.
 """
 
@@ -18,6 +18,8 @@ parser.add_argument("--steps-per-execution", type=int, default=1)
 parser.add_argument("--cpus", type=int, default=1, help="logical CPU devices (MirroredStrategy replicas)")
 parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
 parser.add_argument("--raw-keras", action="store_true", help="plain model.compile under the strategy")
+parser.add_argument("--adam", action="store_true", help="Adam, made outside any scope, instead of SGD")
+parser.add_argument("--layer-state", action="store_true", help="add Dropout and BatchNormalization (state set in call)")
 args = parser.parse_args()
 
 import tensorflow as tf  # noqa: E402
@@ -36,9 +38,11 @@ keras.utils.set_random_seed(1)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(args.samples, 5)).astype("float32")
 y = (x @ rng.normal(size=(5, 1)) + 0.1).astype("float32")
-model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+state_layers = [keras.layers.Dropout(0.25, seed=3), keras.layers.BatchNormalization()] if args.layer_state else []
+model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), *state_layers, keras.layers.Dense(1)])
 initial = [w.tolist() for w in model.get_weights()]
-keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
+optimizer = keras.optimizers.Adam(0.02) if args.adam else keras.optimizers.SGD(0.05)
+keras_dist.compile(model, optimizer=optimizer, loss="mse", metrics=["mae"],
                    steps_per_execution=args.steps_per_execution)
 ctx = keras_dist.current()
 callbacks = []
@@ -58,6 +62,7 @@ result = {
     "describe": ctx.describe(),
     "initial": initial,
     "weights": [w.tolist() for w in model.get_weights()],
+    "trainable_weights": [w.numpy().tolist() for w in model.trainable_weights],
     "history": history.history,
     "evaluate": evaluation,
     "predict": prediction.tolist(),

@@ -1,0 +1,28 @@
+"""`tf.distribute.experimental.CentralStorageStrategy`: variables on the CPU, compute on every local device."""
+
+from keras_dist.backends.tf_strategy import StrategyBackend, local_replica_devices
+
+
+class CentralStorageBackend(StrategyBackend):
+    """Synchronous data parallelism on one machine with one copy of the variables, on the CPU.
+
+    Each step runs on every GPU (else on every logical CPU device); the replicas read
+    the variables from the CPU and their gradients are summed there, which suits a few
+    GPUs without peer-to-peer links. Never detected: select it with
+    `KERAS_DIST_BACKEND=central_storage` or `keras_dist.init(backend="central_storage")`.
+    Per-replica batch: `fit(batch_size=B)` trains at B x replicas.
+
+    Example:
+
+    ```python
+    keras_dist.init(backend="central_storage")
+    keras_dist.compile(model, optimizer="adam", loss="mse")
+    ```
+    """
+
+    name = "central_storage"
+
+    def make_strategy(self):
+        import tensorflow as tf
+
+        return tf.distribute.experimental.CentralStorageStrategy(local_replica_devices(self.name), parameter_device="/cpu:0")
