@@ -8,18 +8,25 @@ times several epochs after a warm-up epoch; the median epoch is reported. The la
 printed is a JSON object with all figures and `ratios`.
 
 Configurations per model:
-  plain_1        Keras `model.fit`, 1 process
-  keras_dist_1   `keras_dist.compile` + fit, 1 process (single backend)
-  handwritten_2  hand-written Horovod Keras 3 loop, 2 processes x 1 thread
-  keras_dist_2   keras_dist Horovod backend, 2 processes x 1 thread
+  plain_1             Keras `model.fit`, 1 process
+  keras_dist_1        `keras_dist.compile` + fit, 1 process (single backend)
+  handwritten_2       hand-written Horovod Keras 3 loop, 2 processes x 1 thread
+  keras_dist_2        keras_dist Horovod backend, 2 processes x 1 thread
+  handwritten_mwms_2  hand-written MultiWorkerMirroredStrategy loop, 2 processes x 1 thread
+  keras_dist_mwms_2   keras_dist multi_worker_mirrored backend, 2 processes x 1 thread
+MultiWorkerMirroredStrategy workers get TF_CONFIG on free 127.0.0.1 ports.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,18 +35,55 @@ HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
 STEPS = {"cnn": 20, "mlp": 60}
 
 
-def launch(mode, model, processes, repeats, threads):
-    argv = [PYTHON, str(HERE / "worker.py"), mode, model, str(repeats + 1), str(STEPS[model])]
-    if processes > 1:
-        argv = [HOROVODRUN, "-np", str(processes), "-H", f"localhost:{processes}", "--gloo", *argv]
+def launch(mode, model, processes, repeats, threads, launcher):
+    """Median samples/s of `processes` workers of `mode`, started by `launcher` (horovod or mwms)."""
+    argv = [str(HERE / "worker.py"), mode, model, str(repeats + 1), str(STEPS[model])]
+    if processes == 1:
+        commands = [([PYTHON, *argv], {})]
+    elif launcher == "horovod":
+        commands = [([HOROVODRUN, "-np", str(processes), "-H", f"localhost:{processes}", "--gloo", PYTHON, *argv], {})]
+    else:  # one process per worker, each with its TF_CONFIG, as `keras-dist launch` starts them
+        from keras_dist.backends.multi_worker_mirrored import MultiWorkerMirroredBackend
+
+        commands = [(task.argv, task.env) for task in MultiWorkerMirroredBackend.local_tasks(processes, 0, argv)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": str(threads)}
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, start_new_session=True)
-    reports = [json.loads(line.split("BENCH ", 1)[1]) for line in out.stdout.splitlines() if "BENCH " in line]
-    if out.returncode != 0 or len(reports) != processes:
-        raise SystemExit(f"{mode} {model} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    codes, output = run_together(commands, env, timeout=900)
+    reports = [json.loads(line.split("BENCH ", 1)[1]) for line in output.splitlines() if "BENCH " in line]
+    if any(codes) or len(reports) != processes:
+        raise SystemExit(f"{mode} {model} ({launcher}) failed with exit codes {codes}:\n{output[-6000:]}")
     # Per epoch, the job's throughput is the sum over ranks; take the median epoch.
     per_epoch = [sum(r["samples_per_s"][i] for r in reports) for i in range(repeats)]
     return statistics.median(per_epoch), reports[0]["params"]
+
+
+def run_together(commands, env, timeout):
+    """Runs `(argv, extra_env)` commands at once; returns their exit codes and joined output.
+
+    Output goes to files, not pipes: a worker blocked on a full pipe would stall its peers'
+    collectives. Every command has its own process group, killed at the end (horovodrun's
+    ranks, strategy workers that outlive a failed peer).
+    """
+    with contextlib.ExitStack() as files:
+        outputs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
+        procs = [subprocess.Popen(argv, env={**env, **extra}, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True)
+                 for (argv, extra), out in zip(commands, outputs)]
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"{commands[0][0][:4]} did not finish in {timeout}s") from None
+        finally:
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+        for out in outputs:
+            out.seek(0)
+        return [proc.returncode for proc in procs], "".join(out.read() for out in outputs)
 
 
 def main():
@@ -51,14 +95,19 @@ def main():
     results, ratios = {}, {}
     for model in args.models.split(","):
         runs = {}
-        for name, mode, processes in [("plain_1", "plain", 1), ("keras_dist_1", "keras_dist", 1),
-                                      ("handwritten_2", "handwritten", 2), ("keras_dist_2", "keras_dist", 2)]:
-            runs[name], params = launch(mode, model, processes, args.repeats, args.threads)
+        for name, mode, processes, launcher in [
+            ("plain_1", "plain", 1, None), ("keras_dist_1", "keras_dist", 1, None),
+            ("handwritten_2", "handwritten", 2, "horovod"), ("keras_dist_2", "keras_dist", 2, "horovod"),
+            ("handwritten_mwms_2", "handwritten_mwms", 2, "mwms"), ("keras_dist_mwms_2", "keras_dist", 2, "mwms"),
+        ]:
+            runs[name], params = launch(mode, model, processes, args.repeats, args.threads, launcher)
             print(f"{model:4s} {name:14s} {runs[name]:10.1f} samples/s", flush=True)
         results[model] = {"params": params, "samples_per_s": runs}
         ratios[f"{model}_keras_dist_1_vs_plain_1"] = runs["keras_dist_1"] / runs["plain_1"]
         ratios[f"{model}_keras_dist_2_vs_handwritten_2"] = runs["keras_dist_2"] / runs["handwritten_2"]
         ratios[f"{model}_keras_dist_2_vs_plain_1"] = runs["keras_dist_2"] / runs["plain_1"]
+        ratios[f"{model}_keras_dist_mwms_2_vs_handwritten_mwms_2"] = runs["keras_dist_mwms_2"] / runs["handwritten_mwms_2"]
+        ratios[f"{model}_keras_dist_mwms_2_vs_keras_dist_horovod_2"] = runs["keras_dist_mwms_2"] / runs["keras_dist_2"]
     print(json.dumps({"results": results, "ratios": {k: round(v, 3) for k, v in ratios.items()}}))
 
 

@@ -2,9 +2,11 @@
 
     python worker.py MODE MODEL EPOCHS STEPS
 
-MODE: plain (Keras fit), keras_dist (keras_dist.compile + fit), handwritten (a
-tf.function step with Horovod's grouped_allreduce on the gradients). Under horovodrun
-each rank reports; run.py sums samples/s over ranks. Epoch 0 is warm-up (tracing).
+MODE: plain (Keras fit), keras_dist (keras_dist.compile + fit, on the backend the
+launcher implies), handwritten (a tf.function step with Horovod's grouped_allreduce on the
+gradients), handwritten_mwms (a tf.function step run by MultiWorkerMirroredStrategy, whose
+Keras optimizer all-reduces the gradients). With several processes each reports; run.py
+sums samples/s over them. Epoch 0 is warm-up (tracing).
 """
 
 import json
@@ -18,6 +20,9 @@ if mode == "keras_dist":
     import keras_dist
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+if mode == "handwritten_mwms":  # collective ops must be configured before any TF op runs
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 MODELS = {
     # name: (input shape, per-replica batch, layers)
@@ -64,6 +69,35 @@ if mode in ("plain", "keras_dist"):
         keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.01), loss=loss_fn)
     x, y = data(steps * batch * size)
     model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=[EpochTimer()])
+elif mode == "handwritten_mwms":
+    rank, size = strategy.cluster_resolver.task_id, strategy.cluster_resolver.cluster_spec().num_tasks("worker")
+    with strategy.scope():
+        model = build()
+        optimizer = keras.optimizers.SGD(0.01)
+        optimizer.build(model.trainable_variables)
+    x, y = data(steps * batch * size)
+    # Each worker feeds its interleaved shard, whole batches per replica, as keras_dist does.
+    dataset = strategy.distribute_datasets_from_function(
+        lambda _: tf.data.Dataset.from_tensor_slices((x[rank::size], y[rank::size])).batch(batch).prefetch(2))
+
+    @tf.function
+    def train_step(iterator):
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))  # Keras divides it by the replica count
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            return loss
+
+        # Like the logs of a Keras step, the loss is reduced over replicas every step.
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(step, args=next(iterator)), axis=None)
+
+    for _ in range(epochs):
+        start = time.perf_counter()
+        iterator = iter(dataset)
+        for _ in range(steps):
+            loss = train_step(iterator)
+        float(loss)  # wait for the last step
+        epoch_seconds.append(time.perf_counter() - start)
 else:
     import horovod.tensorflow as hvd
 
