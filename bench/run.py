@@ -14,7 +14,9 @@ Configurations per model:
   keras_dist_2        keras_dist Horovod backend, 2 processes x 1 thread
   handwritten_mwms_2  hand-written MultiWorkerMirroredStrategy loop, 2 processes x 1 thread
   keras_dist_mwms_2   keras_dist multi_worker_mirrored backend, 2 processes x 1 thread
-MultiWorkerMirroredStrategy workers get TF_CONFIG on free 127.0.0.1 ports.
+  keras_dist_ps_1     keras_dist parameter_server backend: chief + 1 worker + 1 ps
+  keras_dist_ps_2     the same with 2 workers (asynchronous steps; the ratio is steps/s)
+Strategy workers get TF_CONFIG on free 127.0.0.1 ports, as `keras-dist launch` gives them.
 """
 
 import argparse
@@ -36,20 +38,27 @@ STEPS = {"cnn": 20, "mlp": 60}
 
 
 def launch(mode, model, processes, repeats, threads, launcher):
-    """Median samples/s of `processes` workers of `mode`, started by `launcher` (horovod or mwms)."""
-    argv = [str(HERE / "worker.py"), mode, model, str(repeats + 1), str(STEPS[model])]
-    if processes == 1:
-        commands = [([PYTHON, *argv], {})]
-    elif launcher == "horovod":
-        commands = [([HOROVODRUN, "-np", str(processes), "-H", f"localhost:{processes}", "--gloo", PYTHON, *argv], {})]
-    else:  # one process per worker, each with its TF_CONFIG, as `keras-dist launch` starts them
-        from keras_dist.backends.multi_worker_mirrored import MultiWorkerMirroredBackend
+    """Median samples/s of `processes` workers of `mode`, started by `launcher`.
 
-        commands = [(task.argv, task.env) for task in MultiWorkerMirroredBackend.local_tasks(processes, 0, argv)]
+    `launcher`: None (one plain process), "horovod", or a keras_dist backend name whose
+    `local_tasks` give the processes (multi_worker_mirrored, parameter_server).
+    """
+    argv = [str(HERE / "worker.py"), mode, model, str(repeats + 1), str(STEPS[model])]
+    if launcher is None:
+        commands = [([PYTHON, *argv], {}, False)]
+    elif launcher == "horovod":
+        commands = [([HOROVODRUN, "-np", str(processes), "-H", f"localhost:{processes}", "--gloo", PYTHON, *argv],
+                     {}, False)]
+    else:
+        from keras_dist.backends import backend_class
+
+        num_ps = 1 if launcher == "parameter_server" else 0
+        commands = [(t.argv, t.env, t.serves) for t in backend_class(launcher).local_tasks(processes, num_ps, argv)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": str(threads)}
     codes, output = run_together(commands, env, timeout=900)
     reports = [json.loads(line.split("BENCH ", 1)[1]) for line in output.splitlines() if "BENCH " in line]
-    if any(codes) or len(reports) != processes:
+    reporting = sum(1 for _, _, serves in commands if not serves) * (processes if launcher == "horovod" else 1)
+    if any(codes) or len(reports) != reporting:
         raise SystemExit(f"{mode} {model} ({launcher}) failed with exit codes {codes}:\n{output[-6000:]}")
     # Per epoch, the job's throughput is the sum over ranks; take the median epoch.
     per_epoch = [sum(r["samples_per_s"][i] for r in reports) for i in range(repeats)]
@@ -57,7 +66,9 @@ def launch(mode, model, processes, repeats, threads, launcher):
 
 
 def run_together(commands, env, timeout):
-    """Runs `(argv, extra_env)` commands at once; returns their exit codes and joined output.
+    """Runs `(argv, extra_env, serves)` commands at once; returns the exit codes and joined output.
+
+    Commands that serve (parameter-server workers and ps tasks) run until the others end.
 
     Output goes to files, not pipes: a worker blocked on a full pipe would stall its peers'
     collectives. Every command has its own process group, killed at the end (horovodrun's
@@ -67,11 +78,12 @@ def run_together(commands, env, timeout):
         outputs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
         procs = [subprocess.Popen(argv, env={**env, **extra}, stdout=out, stderr=subprocess.STDOUT, text=True,
                                   start_new_session=True)
-                 for (argv, extra), out in zip(commands, outputs)]
+                 for (argv, extra, _), out in zip(commands, outputs)]
         deadline = time.monotonic() + timeout
         try:
-            for proc in procs:
-                proc.wait(timeout=max(1, deadline - time.monotonic()))
+            for proc, (_, _, serves) in zip(procs, commands):
+                if not serves:
+                    proc.wait(timeout=max(1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             raise SystemExit(f"{commands[0][0][:4]} did not finish in {timeout}s") from None
         finally:
@@ -83,7 +95,8 @@ def run_together(commands, env, timeout):
                 proc.wait()
         for out in outputs:
             out.seek(0)
-        return [proc.returncode for proc in procs], "".join(out.read() for out in outputs)
+        codes = [proc.returncode for proc, (_, _, serves) in zip(procs, commands) if not serves]
+        return codes, "".join(out.read() for out in outputs)
 
 
 def main():
@@ -98,7 +111,9 @@ def main():
         for name, mode, processes, launcher in [
             ("plain_1", "plain", 1, None), ("keras_dist_1", "keras_dist", 1, None),
             ("handwritten_2", "handwritten", 2, "horovod"), ("keras_dist_2", "keras_dist", 2, "horovod"),
-            ("handwritten_mwms_2", "handwritten_mwms", 2, "mwms"), ("keras_dist_mwms_2", "keras_dist", 2, "mwms"),
+            ("handwritten_mwms_2", "handwritten_mwms", 2, "multi_worker_mirrored"),
+            ("keras_dist_mwms_2", "keras_dist", 2, "multi_worker_mirrored"),
+            ("keras_dist_ps_1", "keras_dist", 1, "parameter_server"), ("keras_dist_ps_2", "keras_dist", 2, "parameter_server"),
         ]:
             runs[name], params = launch(mode, model, processes, args.repeats, args.threads, launcher)
             print(f"{model:4s} {name:14s} {runs[name]:10.1f} samples/s", flush=True)
@@ -108,6 +123,8 @@ def main():
         ratios[f"{model}_keras_dist_2_vs_plain_1"] = runs["keras_dist_2"] / runs["plain_1"]
         ratios[f"{model}_keras_dist_mwms_2_vs_handwritten_mwms_2"] = runs["keras_dist_mwms_2"] / runs["handwritten_mwms_2"]
         ratios[f"{model}_keras_dist_mwms_2_vs_keras_dist_horovod_2"] = runs["keras_dist_mwms_2"] / runs["keras_dist_2"]
+        ratios[f"{model}_keras_dist_ps_2_vs_ps_1"] = runs["keras_dist_ps_2"] / runs["keras_dist_ps_1"]
+        ratios[f"{model}_keras_dist_ps_1_vs_plain_1"] = runs["keras_dist_ps_1"] / runs["plain_1"]
     print(json.dumps({"results": results, "ratios": {k: round(v, 3) for k, v in ratios.items()}}))
 
 
