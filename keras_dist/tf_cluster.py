@@ -19,6 +19,32 @@ from keras_dist.errors import KerasDistError
 _EXAMPLE = '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}}'
 
 
+def detected_cluster(environ):
+    """TF_CONFIG's cluster, read leniently for backend detection.
+
+    Args:
+        environ: the environment to read.
+
+    Returns:
+        None without TF_CONFIG; `{}` when it cannot be read (the backend chosen then
+        parses it with `parse_tf_config`, which says what is wrong); else the cluster dict.
+
+    Example:
+
+    ```python
+    has_ps = bool((detected_cluster(os.environ) or {}).get("ps"))
+    ```
+    """
+    text = environ.get("TF_CONFIG")
+    if not text:
+        return None
+    try:
+        cluster = json.loads(text).get("cluster")
+    except (ValueError, AttributeError):
+        return {}
+    return cluster if isinstance(cluster, dict) else {}
+
+
 def parse_tf_config(text):
     """`(cluster, task_type, task_index)` from a TF_CONFIG string, with one-line errors.
 

@@ -17,11 +17,6 @@ PLAIN = os.path.join(os.path.dirname(runner.WORKER), "plain_keras.py")
 DATA = ("--samples", 72, "--eval-samples", 17)
 
 
-def assert_close(a, b, atol=1e-5):
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(np.array(x), np.array(y), atol=atol)
-
-
 @pytest.fixture(scope="module")
 def single_at_16(tmp_path_factory):
     return runner.train(tmp_path_factory.mktemp("single"), "single", "--batch", 16, *DATA)[0]
@@ -33,11 +28,7 @@ def test_central_storage_two_replicas_at_batch_8_match_one_process_at_16(tmp_pat
                               "--steps-per-execution", steps_per_execution)
     assert central["describe"]["strategy"] == "CentralStorageStrategy"
     assert central["describe"]["num_replicas"] == 2
-    assert_close(central["weights"], single_at_16["weights"])
-    for key in ("loss", "mae", "val_loss", "val_mae"):  # metric states summed once per step
-        assert central["history"][key] == pytest.approx(single_at_16["history"][key], rel=1e-5)
-    assert central["evaluate"] == pytest.approx(single_at_16["evaluate"], rel=1e-5)
-    assert_close(central["predict"], single_at_16["predict"])
+    runner.assert_trains_like(central, single_at_16)  # incl. logs: metric states summed once per step
 
 
 def test_central_storage_trains_dropout_batch_norm_and_adam_as_mirrored_does(tmp_path):
@@ -46,7 +37,8 @@ def test_central_storage_trains_dropout_batch_norm_and_adam_as_mirrored_does(tmp
     args = ("--cpus", 2, "--batch", 8, "--layer-state", "--adam", *DATA)
     (central,) = runner.train(tmp_path / "central", "central_storage", *args)
     (mirrored,) = runner.train(tmp_path / "mirrored", "mirrored", *args)
-    assert_close(central["trainable_weights"], mirrored["trainable_weights"])
+    for got, want in zip(central["trainable_weights"], mirrored["trainable_weights"]):
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
     assert central["history"]["loss"] == pytest.approx(mirrored["history"]["loss"], rel=1e-5)
     assert all(np.isfinite(central["evaluate"][key]) for key in ("loss", "mae"))
 
@@ -56,11 +48,7 @@ def test_one_device_equals_the_single_backend(tmp_path):
     (single,) = runner.train(tmp_path / "single", "single", "--batch", 8, *DATA)
     assert one_device["describe"]["strategy"] == "OneDeviceStrategy"
     assert one_device["describe"]["num_replicas"] == 1
-    assert_close(one_device["weights"], single["weights"], atol=1e-6)
-    for key in ("loss", "mae", "val_loss", "val_mae"):
-        assert one_device["history"][key] == pytest.approx(single["history"][key], rel=1e-6)
-    assert one_device["evaluate"] == pytest.approx(single["evaluate"], rel=1e-6)
-    assert_close(one_device["predict"], single["predict"], atol=1e-6)
+    runner.assert_trains_like(one_device, single, tolerance=1e-6)
 
 
 def test_one_device_takes_a_device_and_names_the_fix_for_a_missing_one():

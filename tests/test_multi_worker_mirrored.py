@@ -4,7 +4,6 @@ import json
 import os
 import sys
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
@@ -19,11 +18,6 @@ pytestmark = pytest.mark.timeout(600)
 PLAIN = os.path.join(os.path.dirname(runner.WORKER), "plain_keras.py")
 
 
-def assert_close(a, b, atol=1e-5):
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(np.array(x), np.array(y), atol=atol)
-
-
 def test_two_workers_match_one_process_and_write_files_on_the_chief_only(tmp_path):
     # 17 evaluation samples: shards of 9 and 8, two batches against one.
     common = ("--samples", 72, "--eval-samples", 17)
@@ -31,11 +25,7 @@ def test_two_workers_match_one_process_and_write_files_on_the_chief_only(tmp_pat
     workers = runner.train(tmp_path / "mwms", "mwms", "--batch", 8, "--steps-per-execution", 2, "--callbacks", *common)
     for result in workers:
         assert result["describe"]["num_replicas"] == 2
-        assert_close(result["weights"], single["weights"])
-        for key in ("loss", "mae", "val_loss", "val_mae"):  # every worker logs the global values
-            assert result["history"][key] == pytest.approx(single["history"][key], rel=1e-5)
-        assert result["evaluate"] == pytest.approx(single["evaluate"], rel=1e-5)
-        assert_close(result["predict"], single["predict"])
+        runner.assert_trains_like(result, single)  # every worker logs the global values
     files = sorted(os.listdir(tmp_path / "mwms"))
     assert files == ["ckpt.weights.h5", "log.csv", "result-0.json", "result-1.json"]  # backup removed at the end
     assert not [d for d in os.listdir("/tmp") if d.startswith("keras_dist_scratch_") and

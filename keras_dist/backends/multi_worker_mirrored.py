@@ -17,7 +17,7 @@ import keras
 
 from keras_dist.backends.tf_strategy import StrategyBackend
 from keras_dist.errors import KerasDistError
-from keras_dist.tf_cluster import loopback_binding_env, parse_tf_config, prepare_server_process
+from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
 
 _MEMBERS = ("chief", "worker")  # task types that train; "evaluator" does not
 # Created by `prepare_process`: collective ops must be configured at program start-up.
@@ -39,14 +39,8 @@ class MultiWorkerMirroredBackend(StrategyBackend):
 
     @classmethod
     def detect(cls, environ) -> bool:
-        text = environ.get("TF_CONFIG")
-        if not text:
-            return False
-        try:
-            cluster = json.loads(text).get("cluster")
-        except (ValueError, AttributeError):
-            return True  # a broken TF_CONFIG: the backend reports what is wrong
-        return bool(cluster) and not cluster.get("ps")
+        cluster = detected_cluster(environ)  # {} when unreadable: this backend reports what is wrong
+        return cluster is not None and not cluster.get("ps")
 
     @classmethod
     def prepare_process(cls, environ) -> None:

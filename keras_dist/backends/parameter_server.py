@@ -24,7 +24,7 @@ import tensorflow as tf
 from keras_dist.backends.base import Backend, GradientOptions
 from keras_dist.backends.tf_strategy import adopt_optimizer, move_variables
 from keras_dist.errors import KerasDistError
-from keras_dist.tf_cluster import loopback_binding_env, parse_tf_config, prepare_server_process
+from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
 
 _SERVING_TASKS = ("worker", "ps")
 
@@ -85,13 +85,7 @@ class ParameterServerBackend(Backend):
 
     @classmethod
     def detect(cls, environ) -> bool:
-        text = environ.get("TF_CONFIG")
-        if not text:
-            return False
-        try:
-            return bool(json.loads(text)["cluster"].get("ps"))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return False  # not ours: the multi-worker backend reports what is wrong
+        return bool((detected_cluster(environ) or {}).get("ps"))
 
     @classmethod
     def prepare_process(cls, environ) -> None:

@@ -48,6 +48,27 @@ def train(out_dir, backend, *args, timeout=240):
     return [load(out_dir, 0)]
 
 
+def assert_trains_like(result, reference, tolerance=1e-5):
+    """`result` ended where `reference` did: weights, every logged metric, evaluate, predict.
+
+    Example:
+
+    ```python
+    assert_trains_like(runner.train(tmp, "mirrored", "--cpus", 2, "--batch", 8)[0], single_at_16)
+    ```
+    """
+    import numpy as np
+    import pytest
+
+    for key in ("weights", "predict"):
+        for got, want in zip(result[key], reference[key]):
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=tolerance)
+    assert result["history"].keys() == reference["history"].keys()
+    for key, values in reference["history"].items():
+        assert result["history"][key] == pytest.approx(values, rel=tolerance), key
+    assert result["evaluate"] == pytest.approx(reference["evaluate"], rel=tolerance)
+
+
 def load(out_dir, rank):
     with open(os.path.join(out_dir, f"result-{rank}.json")) as f:
         return json.load(f)

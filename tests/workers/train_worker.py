@@ -1,6 +1,6 @@
 """A training script as a user would write it, run by the tests in a subprocess.
 
-Usage: python train_worker.py OUT_DIR [--batch B] [--steps-per-execution K] [--cpus N] [--adam] [--layer-state]
+Usage: python train_worker.py OUT_DIR [--batch B] [--steps-per-execution K] [--cpus N] [--adam] [--layer-state] [--dataset]
 Writes OUT_DIR/result-<rank>.json: final weights, history, evaluate and predict results.
 """
 
@@ -19,6 +19,7 @@ parser.add_argument("--cpus", type=int, default=1, help="logical CPU devices (Mi
 parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
 parser.add_argument("--raw-keras", action="store_true", help="plain model.compile under the strategy")
 parser.add_argument("--adam", action="store_true", help="Adam, made outside any scope, instead of SGD")
+parser.add_argument("--dataset", action="store_true", help="fit on a tf.data.Dataset batched at --batch")
 parser.add_argument("--layer-state", action="store_true", help="add Dropout and BatchNormalization (state set in call)")
 args = parser.parse_args()
 
@@ -54,7 +55,9 @@ if args.callbacks:
     ]
 # The evaluation slice doubles as validation data: shards of uneven length inside fit too.
 validation = (x[:args.eval_samples], y[:args.eval_samples])
-history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks,
+inputs = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)} if args.dataset else \
+    {"x": x, "y": y, "batch_size": args.batch}
+history = model.fit(**inputs, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks,
                     validation_data=validation)
 evaluation = model.evaluate(x[:args.eval_samples], y[:args.eval_samples], batch_size=args.batch, verbose=0, return_dict=True)
 prediction = model.predict(x[:args.eval_samples], batch_size=args.batch, verbose=0)
