@@ -33,6 +33,14 @@ def test_a_dataset_batch_is_per_replica(tmp_path, single_at_16):
     runner.assert_trains_like(mirrored, single_at_16)
 
 
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_functional_and_subclassed_models_built_before_compile_train_alike(tmp_path, kind):
+    args = ("--samples", 72, "--eval-samples", 17, "--model", kind)
+    (single,) = runner.train(tmp_path / "single", "single", "--batch", 16, *args)
+    (mirrored,) = runner.train(tmp_path / "mirrored", "mirrored", "--cpus", 2, "--batch", 8, *args)
+    runner.assert_trains_like(mirrored, single)  # re-initialized variables would end elsewhere
+
+
 def test_steps_per_execution_2_gives_the_same_weights(tmp_path, single_at_16):
     (mirrored,) = runner.train(tmp_path, "mirrored", "--cpus", 2, "--batch", 8, "--samples", 72, "--eval-samples", 17,
                                "--steps-per-execution", 2)

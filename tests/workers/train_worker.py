@@ -20,6 +20,8 @@ parser.add_argument("--callbacks", action="store_true", help="add checkpoint, ba
 parser.add_argument("--raw-keras", action="store_true", help="plain model.compile under the strategy")
 parser.add_argument("--adam", action="store_true", help="Adam, made outside any scope, instead of SGD")
 parser.add_argument("--dataset", action="store_true", help="fit on a tf.data.Dataset batched at --batch")
+parser.add_argument("--model", choices=["sequential", "functional", "subclassed"], default="sequential",
+                    help="how the script builds its model (always before keras_dist.compile)")
 parser.add_argument("--layer-state", action="store_true", help="add Dropout and BatchNormalization (state set in call)")
 args = parser.parse_args()
 
@@ -40,7 +42,26 @@ rng = np.random.default_rng(0)
 x = rng.normal(size=(args.samples, 5)).astype("float32")
 y = (x @ rng.normal(size=(5, 1)) + 0.1).astype("float32")
 state_layers = [keras.layers.Dropout(0.25, seed=3), keras.layers.BatchNormalization()] if args.layer_state else []
-model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), *state_layers, keras.layers.Dense(1)])
+
+
+class TwoLayers(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(4, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+if args.model == "functional":
+    inputs = keras.Input((5,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
+elif args.model == "subclassed":
+    model = TwoLayers()
+    model(x[:1])  # built, its variables made, before keras_dist.compile
+else:
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), *state_layers, keras.layers.Dense(1)])
 initial = [w.tolist() for w in model.get_weights()]
 optimizer = keras.optimizers.Adam(0.02) if args.adam else keras.optimizers.SGD(0.05)
 keras_dist.compile(model, optimizer=optimizer, loss="mse", metrics=["mae"],
