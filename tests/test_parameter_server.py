@@ -179,6 +179,17 @@ def test_detected_from_tf_config_with_ps_tasks():
     assert backends.select(environ={"TF_CONFIG": config})[0] == "parameter_server"
 
 
+@pytest.mark.parametrize("cluster, task, fix", [
+    ({"worker": ["a:1"], "ps": ["a:2"]}, "worker", "exactly one 'chief'"),
+    ({"chief": ["a:0"], "worker": ["a:1"], "ps": ["a:2"], "evaluator": ["a:3"]}, "evaluator", "drop it from TF_CONFIG"),
+])
+def test_unusable_clusters_get_a_one_line_error(cluster, task, fix):
+    config = json.dumps({"cluster": cluster, "task": {"type": task, "index": 0}})
+    with pytest.raises(KerasDistError, match=fix) as error:
+        ParameterServerBackend.prepare_process({"TF_CONFIG": config})
+    assert "\n" not in str(error.value)
+
+
 def test_local_tasks_describe_chief_workers_and_servers():
     tasks = ParameterServerBackend.local_tasks(2, 1, ["train.py"])
     assert [(t.name, t.serves) for t in tasks] == [("chief:0", False), ("worker:0", True), ("worker:1", True),

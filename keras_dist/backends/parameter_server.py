@@ -35,6 +35,9 @@ def _ps_cluster(environ):
     if not cluster.get("ps") or not cluster.get("worker"):
         raise KerasDistError("backend 'parameter_server' needs TF_CONFIG with 'ps' and 'worker' tasks; "
                              "launch with `keras-dist launch --backend parameter_server -n WORKERS --ps K`")
+    if kind not in ("chief", *_SERVING_TASKS):
+        raise KerasDistError(f"backend 'parameter_server' has no {kind!r} task; run evaluation on the chief "
+                             "(validation_data) and drop it from TF_CONFIG")
     if len(cluster.get("chief", [])) != 1:
         raise KerasDistError("backend 'parameter_server' needs exactly one 'chief' task in TF_CONFIG: "
                              "it runs the script and schedules the steps")
