@@ -147,8 +147,9 @@ def test_training_survives_a_killed_worker_and_takes_it_back(tmp_path, cluster_f
     assert code == 0, out[-4000:]
     result = load(tmp_path / "result.json")
     assert result["epochs_run"] == list(range(epochs))
-    # Every requested step ran (a step cut off mid-update may be retried: at most one per kill).
-    assert epochs * steps <= result["iterations"] <= epochs * steps + 1
+    # Every requested step ran. A step cut off mid-update is retried, and one finished
+    # but not yet fetched is rerun: each may train its batch twice.
+    assert epochs * steps <= result["iterations"] <= epochs * steps + 2
     assert result["history"]["loss"][-1] < result["history"]["loss"][0]
     # evaluate counts each example once: it equals the MSE of the final predictions.
     assert result["evaluate"]["loss"] == pytest.approx(result["reference_mse"], rel=1e-4)

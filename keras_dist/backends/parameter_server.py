@@ -259,36 +259,57 @@ class CoordinatedSteps:
             else:
                 self.model._symbolic_build(data_batch=batch)
 
-    def _results(self, remote_states):
+    def _results(self, fetched_states):
         from keras_dist.training import metric_results
 
         states = [np.zeros(v.shape, v.dtype) for v in self._metric_variables()]
-        for remote in remote_states:
-            states = [total + np.asarray(part) for total, part in zip(states, remote.fetch())]
+        for step_states in fetched_states:
+            states = [total + np.asarray(part) for total, part in zip(states, step_states)]
         results = metric_results(self.model.metrics, states)
         return {name: float(value) if np.ndim(value) == 0 else np.asarray(value) for name, value in results.items()}
 
+    def _fetch(self, remote, function, args, attempts=3):
+        """The value of a finished closure, running it again if its worker died before handing it over.
+
+        A closure's result stays on its worker until fetched; TensorFlow retries closures
+        that fail, not results lost afterwards. A training batch rerun here trains twice,
+        as one whose worker died mid-update does under TensorFlow's own retry.
+        """
+        from tensorflow.python.distribute.coordinator.cluster_coordinator import _is_worker_failure
+
+        for _ in range(attempts - 1):
+            try:
+                return remote.fetch()
+            except tf.errors.OpError as error:
+                if not _is_worker_failure(error):
+                    raise
+                remote = self.coordinator.schedule(function, args=args)
+        return remote.fetch()
+
     def _run(self, function, inputs, callbacks, hooks):
-        """Schedules `function` on each input, a bounded number in flight; returns the RemoteValues.
+        """Runs `function` on each input as closures, a bounded number in flight; returns their values.
 
         Batch hooks: `begin` as a step is scheduled, `end` (with empty logs: results
-        are remote) as it completes.
+        are remote until the epoch ends) as its value arrives.
         """
         begin, end = hooks
-        scheduled, in_flight = [], deque()
+        values, in_flight = [], deque()
+
+        def collect_oldest():
+            step, remote, args = in_flight.popleft()
+            values.append(self._fetch(remote, function, args))
+            getattr(callbacks, end)(step, {})
+
         for step, args in enumerate(inputs):
             getattr(callbacks, begin)(step)
-            scheduled.append(self.coordinator.schedule(function, args=args))
-            in_flight.append(step)
+            in_flight.append((step, self.coordinator.schedule(function, args=args), args))
             if len(in_flight) >= self.max_in_flight:
-                scheduled[in_flight[0]].fetch()  # waits for the oldest step
-                getattr(callbacks, end)(in_flight.popleft(), {})
+                collect_oldest()
             if self.model.stop_training:
                 break
-        self.coordinator.join()
-        for step in in_flight:
-            getattr(callbacks, end)(step, {})
-        return scheduled
+        while in_flight:
+            collect_oldest()
+        return values
 
     # --- inputs ---------------------------------------------------------------
     @staticmethod
@@ -349,10 +370,10 @@ class CoordinatedSteps:
                 if batches is None or steps_per_epoch is None:
                     batches = iter(dataset)
                 inputs = ((batch,) for batch in itertools.islice(batches, steps_per_epoch))
-            scheduled = self._run(function, inputs, callbacks, ("on_train_batch_begin", "on_train_batch_end"))
-            if not per_worker_input and steps_per_epoch is not None and len(scheduled) < steps_per_epoch:
+            step_states = self._run(function, inputs, callbacks, ("on_train_batch_begin", "on_train_batch_end"))
+            if not per_worker_input and steps_per_epoch is not None and len(step_states) < steps_per_epoch:
                 batches = None  # ran out: the next epoch starts the input again
-            logs = self._results(scheduled)
+            logs = self._results(step_states)
             if validation_data is not None and model._should_eval(epoch, validation_freq):
                 val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data) \
                     if isinstance(validation_data, tuple) else (validation_data, None, None)
@@ -398,7 +419,7 @@ class CoordinatedSteps:
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         callbacks, run = self._run_chief_batches("predict", x, None, None, batch_size, steps, callbacks, verbose)
         callbacks.on_predict_begin()
-        outputs = [remote.fetch() for remote in run()]
+        outputs = run()
         callbacks.on_predict_end()
         return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs)
 
