@@ -23,13 +23,14 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from keras_dist.launcher import kill_process_groups
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -87,12 +88,7 @@ def run_together(commands, env, timeout):
         except subprocess.TimeoutExpired:
             raise SystemExit(f"{commands[0][0][:4]} did not finish in {timeout}s") from None
         finally:
-            for proc in procs:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
+            kill_process_groups(procs)
         for out in outputs:
             out.seek(0)
         codes = [proc.returncode for proc, (_, _, serves) in zip(procs, commands) if not serves]

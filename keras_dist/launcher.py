@@ -109,8 +109,25 @@ def _stop(procs, grace_seconds=5):
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    for _, proc in procs:
-        # The group may outlive its leader (horovodrun's workers): always sweep it.
+    # The group may outlive its leader (horovodrun's workers): always sweep it.
+    kill_process_groups([proc for _, proc in procs])
+
+
+def kill_process_groups(procs):
+    """SIGKILLs the process group of each `subprocess.Popen` (started with
+    `start_new_session=True`) and reaps its leader; children that outlived it die too.
+
+    Example:
+
+    ```python
+    procs = [subprocess.Popen(argv, start_new_session=True) for argv in commands]
+    try:
+        ...
+    finally:
+        kill_process_groups(procs)
+    ```
+    """
+    for proc in procs:
         _signal_group(proc, signal.SIGKILL)
         proc.wait()
 

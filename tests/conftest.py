@@ -2,13 +2,14 @@
 
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from keras_dist.launcher import kill_process_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
@@ -41,22 +42,13 @@ def run_many(commands, timeout, envs=None, cwd=None):
             try:
                 out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill_groups(procs)
+                kill_process_groups(procs)
                 out, _ = proc.communicate()
                 pytest.fail(f"{[str(a) for a in argv[:6]]} did not finish in {timeout}s (killed); output tail:\n{out[-4000:]}")
             results.append((proc.returncode, out))
     finally:
-        _kill_groups(procs)
+        kill_process_groups(procs)
     return results
-
-
-def _kill_groups(procs):
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
 
 
 def run(argv, timeout, env=None, cwd=None):

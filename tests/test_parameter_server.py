@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, _kill_groups, run
+from conftest import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, run
 from keras_dist import backends
 from keras_dist.backends.parameter_server import CoordinatedSteps, ParameterServerBackend, refuse_batch_log_readers
 from keras_dist.errors import KerasDistError
+from keras_dist.launcher import kill_process_groups
 from keras_dist.tf_cluster import tcp_listeners
 
 pytestmark = pytest.mark.timeout(600)
@@ -67,7 +68,7 @@ class LocalCluster:
         return code, "".join(self.chief_lines)
 
     def close(self):
-        _kill_groups(list(self.procs.values()))
+        kill_process_groups(list(self.procs.values()))
 
 
 @pytest.fixture
