@@ -2,11 +2,14 @@
 
 Predicts whether a user likes an item from two embedding tables (users and items), the
 kind of model parameter servers are picked for. Under the parameter_server backend the
-tables live on the ps tasks (whole, round-robin) and workers train asynchronously; the
-script itself is an ordinary single-device Keras script plus keras_dist's two lines.
+tables live on the ps tasks and workers train asynchronously; the script itself is an
+ordinary single-device Keras script plus keras_dist's two lines.
 
     python examples/recommendation.py                      # one process
     keras-dist launch --backend parameter_server -n 2 --ps 2 examples/recommendation.py
+    # The same, with each table of 64 KiB or more split over both ps tasks:
+    KERAS_DIST_MIN_SHARD_BYTES=65536 keras-dist launch --backend parameter_server -n 2 --ps 2 \
+        examples/recommendation.py
 
 Interactions are synthetic (made on the spot, no download): hidden user and item
 factors decide the labels, so a model that learns the tables reaches high accuracy.
@@ -55,4 +58,5 @@ model.fit(x, y, batch_size=BATCH_SIZE, epochs=EPOCHS, validation_data=(x_test, y
                      keras.callbacks.CSVLogger(os.path.join(OUTPUT, "log.csv"))])
 loss, accuracy = model.evaluate(x_test, y_test, batch_size=1024, verbose=0)
 print(f"test accuracy: {accuracy:.4f}")
-print(f"user table on {model.get_layer('user_embedding').embeddings.value.device}")
+table = model.get_layer("user_embedding").embeddings.value
+print(f"user table on {', '.join(part.device for part in getattr(table, 'variables', [table]))}")

@@ -5,8 +5,11 @@ Keras class), and has a test in `tests/` that asserts plain Keras still fails: w
 test fails, upstream fixed the bug and the workaround can go.
 """
 
+import keras
+import numpy as np
 import tensorflow as tf
 from keras import tree
+from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 
 def apply(model, strategy):
@@ -194,3 +197,149 @@ def layer_state_aggregated(model, strategy):
         return make_function(step_function)
 
     object.__setattr__(model, "_make_function", _make_function)
+
+
+# --- keras-team/keras#18624: variables a partitioner split over parameter servers ------
+# A ParameterServerStrategy with a `variable_partitioner` creates each large variable as
+# a `ShardedVariable`: one `tf.Variable` per shard, spread over the ps tasks. Keras 3's
+# TF backend expects one variable behind each Keras variable: `train_step` fails in
+# `GradientTape.gradient` (`'ShardedVariable' object has no attribute 'handle'`), the
+# optimizer's update in `strategy.extended.update` and its slot variables in
+# `colocate_vars_with` (`ShardedVariable doesn't support being used as a reference`).
+
+
+def is_sharded(variable):
+    """Whether a Keras variable is backed by a `ShardedVariable`."""
+    return isinstance(getattr(variable, "_value", None), ShardedVariable)
+
+
+def sharded_variable_updates(optimizer):
+    """Makes a Keras optimizer update sharded variables and create their slots.
+
+    Upstream: keras-team/keras#18624. A sharded variable is updated in place, each
+    shard on its ps task, instead of through `strategy.extended.update`, which needs
+    one variable to colocate with; its slot variables (Adam's moments) are created
+    without colocation, so the partitioner splits them like the variable.
+
+    Args:
+        optimizer: a Keras optimizer of the TF backend; two methods are replaced on
+            this instance only. Variables that are not sharded take Keras's path.
+    """
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    keras_add_slot = optimizer.add_variable_from_reference
+    keras_update = optimizer._distributed_tf_update_step
+
+    def add_variable_from_reference(reference_variable, name=None, initializer="zeros"):
+        if is_sharded(reference_variable):
+            return BaseOptimizer.add_variable_from_reference(optimizer, reference_variable, name, initializer)
+        return keras_add_slot(reference_variable, name=name, initializer=initializer)
+
+    def _distributed_tf_update_step(distribution, grads_and_vars, learning_rate):
+        sharded = [(g, v) for g, v in grads_and_vars if isinstance(v, ShardedVariable)]
+        keras_update(distribution, [(g, v) for g, v in grads_and_vars if not isinstance(v, ShardedVariable)],
+                     learning_rate)
+        for gradient, variable in sharded:
+            optimizer.update_step(gradient, variable, learning_rate)
+
+    object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
+    object.__setattr__(optimizer, "_distributed_tf_update_step", _distributed_tf_update_step)
+
+
+def train_step_over_shards(model):
+    """Keras's training step for a model with sharded variables; None if it has none.
+
+    Upstream: keras-team/keras#18624. The same forward pass, loss, loss tracking and
+    metrics as Keras's TF `train_step`, but the gradient is taken with respect to each
+    shard and joined back per Keras variable; an `Embedding`'s row slices stay sparse.
+
+    Args:
+        model: a built, compiled model whose optimizer went through
+            `sharded_variable_updates`.
+
+    Returns:
+        A function of one batch, or None when no trainable variable is sharded.
+    """
+    from keras.src.losses.loss import unscale_loss_for_distribution
+
+    if not any(is_sharded(w) for w in model.trainable_weights):
+        return None
+
+    def train_step(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            batch_size = tf.shape(next(t for t in tree.flatten(x) if t is not None))[0]
+            model._loss_tracker.update_state(unscale_loss_for_distribution(loss), sample_weight=batch_size)
+            loss = model.optimizer.scale_loss(loss)
+        weights = model.trainable_weights
+        sources = [list(w._value.variables) if is_sharded(w) else w for w in weights]
+        gradients = tape.gradient(loss, sources)
+        joined = [_joined(g, s) if is_sharded(w) else g for g, s, w in zip(gradients, sources, weights)]
+        model.optimizer.apply_gradients(zip(joined, weights))
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    return train_step
+
+
+def sharded_variables_savable(variables):
+    """Lets Keras save sharded variables: `np.asarray` of them joins their shards.
+
+    Upstream: keras-team/keras#18624. Keras saves weights (`save_weights`, `save`,
+    ModelCheckpoint, BackupAndRestore) through `np.asarray(variable)`, which calls
+    `__array__` on the backing TensorFlow variable; a `ShardedVariable` has none.
+
+    Args:
+        variables: Keras variables; each sharded one's `ShardedVariable` becomes an
+            instance of a subclass that adds `__array__`, nothing else changed.
+    """
+    for variable in variables:
+        if is_sharded(variable):
+            variable._value.__class__ = _SavableShardedVariable
+
+
+class _SavableShardedVariable(ShardedVariable):
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.numpy(), dtype=dtype)
+
+
+def sharded_embedding_lookups(model):
+    """Makes each sharded `Embedding` of `model` gather its rows shard by shard.
+
+    Keras's `Embedding` reads its whole table (`ops.take`), which for a ShardedVariable
+    means copying every shard from the ps tasks on every step; `tf.nn.embedding_lookup`
+    reads only the rows of the batch, and its gradient touches only those rows.
+
+    Args:
+        model: a built model; the `call` of each sharded `Embedding` (without LoRA or
+            quantization) is replaced on that layer instance only.
+    """
+    for layer in model._flatten_layers():
+        if isinstance(layer, keras.layers.Embedding) and is_sharded(layer._embeddings) \
+                and not layer.lora_enabled and not layer.quantization_mode:
+            object.__setattr__(layer, "call", _lookup_by_shard(layer))
+
+
+def _lookup_by_shard(layer):
+    def call(inputs):
+        ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+        # Dispatches to a per-shard gather for a ShardedVariable ("div" partitioning).
+        return tf.cast(tf.nn.embedding_lookup(layer._embeddings._value, ids), layer.compute_dtype)
+
+    return call
+
+
+def _joined(shard_gradients, shards):
+    """One gradient for a sharded variable from its shards' gradients (rows concatenated)."""
+    if all(g is None for g in shard_gradients):
+        return None
+    if all(isinstance(g, tf.IndexedSlices) for g in shard_gradients):
+        offsets = np.cumsum([0] + [s.shape[0] for s in shards[:-1]])
+        total_rows = sum(s.shape[0] for s in shards)
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in shard_gradients], 0),
+            tf.concat([g.indices + tf.cast(o, g.indices.dtype) for g, o in zip(shard_gradients, offsets)], 0),
+            dense_shape=tf.constant([total_rows, *shards[0].shape[1:]], tf.int64))
+    return tf.concat([tf.zeros(s.shape, s.dtype) if g is None else tf.convert_to_tensor(g)
+                      for g, s in zip(shard_gradients, shards)], 0)

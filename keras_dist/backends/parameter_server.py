@@ -21,12 +21,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import keras_workarounds
 from keras_dist.backends.base import Backend, GradientOptions
 from keras_dist.backends.tf_strategy import adopt_optimizer, move_variables
 from keras_dist.errors import KerasDistError
 from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
 
 _SERVING_TASKS = ("worker", "ps")
+MIN_SHARD_BYTES_VAR = "KERAS_DIST_MIN_SHARD_BYTES"
 
 
 def _ps_cluster(environ):
@@ -72,15 +74,25 @@ class ParameterServerBackend(Backend):
     `steps_per_epoch`. `evaluate` and `predict` count every example exactly once,
     even when a worker is lost mid-way.
 
-    Variables are placed whole, round-robin over the ps tasks. TensorFlow's variable
-    partitioners are not offered: a partitioned variable (`ShardedVariable`) has no
-    single handle, and Keras 3's `train_step` differentiates through one per variable.
+    Variables are placed whole, round-robin over the ps tasks, unless a partitioner
+    splits large ones (embedding tables) into shards on several ps tasks. A sharded
+    `Embedding` then reads and updates only the rows of each batch. Sharded variables
+    need Keras's own `train_step` and an optimizer without `weight_decay`.
+
+    Args:
+        variable_partitioner: a `tf.distribute.experimental.partitioners` partitioner;
+            default: with `KERAS_DIST_MIN_SHARD_BYTES=N` set,
+            `MinSizePartitioner(min_shard_bytes=N, max_shards=<number of ps tasks>)`,
+            else none.
 
     Example:
 
     ```python
     ctx = keras_dist.init()  # on the chief; worker and ps tasks never get here
     print(ctx.name, ctx.num_replicas)  # parameter_server, the number of workers
+    # Tables of 1 MiB and more split over up to 4 ps tasks, in shards of 1 MiB or more:
+    keras_dist.init(variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=1 << 20, max_shards=4))
     ```
     """
 
@@ -121,13 +133,15 @@ class ParameterServerBackend(Backend):
             for kind in ("chief", "worker", "ps") for i in range(len(cluster[kind]))
         ]
 
-    def __init__(self):
+    def __init__(self, variable_partitioner=None):
         cluster, kind, _ = _ps_cluster(os.environ)
         if kind != "chief":
             raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
                                  "only the 'chief' task runs the script past `import keras_dist`")
         self.num_workers = len(cluster["worker"])
-        self.strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver())
+        self.variable_partitioner = variable_partitioner or _partitioner_from_environment(len(cluster["ps"]))
+        self.strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+                                                              variable_partitioner=self.variable_partitioner)
         if self.strategy.num_replicas_in_sync > 1:
             # Each closure trains one batch the chief read; splitting it over a worker's GPUs is not done.
             raise KerasDistError("backend 'parameter_server' runs one replica per worker; give each worker task one "
@@ -164,9 +178,13 @@ class ParameterServerBackend(Backend):
             raise KerasDistError("backend 'parameter_server' does not support LossScaleOptimizer (mixed_float16); "
                                  "use float32 or mixed_bfloat16")
         adopt_optimizer(optimizer, self.strategy)
+        if self.variable_partitioner is not None:
+            keras_workarounds.sharded_variable_updates(optimizer)
 
     def describe(self) -> dict:
-        return {**super().describe(), "workers": self.num_workers, "strategy": "ParameterServerStrategy"}
+        partitioner = self.variable_partitioner
+        return {**super().describe(), "workers": self.num_workers, "strategy": "ParameterServerStrategy",
+                "variable_partitioner": type(partitioner).__name__ if partitioner else None}
 
     def run_loop(self, method, model, keras_method, arguments):
         steps = self._steps.get(model)
@@ -176,6 +194,16 @@ class ParameterServerBackend(Backend):
             return getattr(steps, method)(**arguments)
         except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as exc:
             raise KerasDistError(_lost_task_message(exc)) from None
+
+
+def _partitioner_from_environment(num_ps):
+    text = os.environ.get(MIN_SHARD_BYTES_VAR, "")
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise KerasDistError(f"{MIN_SHARD_BYTES_VAR}={text!r} is not a positive number of bytes; "
+                             "set it to e.g. 262144 or unset it")
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=int(text), max_shards=num_ps)
 
 
 def _lost_task_message(exc):
@@ -223,6 +251,12 @@ class CoordinatedSteps:
             return self._step_functions[key]
         model = self.model
         step = {"train": model.train_step, "test": model.test_step, "predict": model.predict_step}[kind]
+        if any(keras_workarounds.is_sharded(v) for v in model.variables):
+            keras_workarounds.sharded_embedding_lookups(model)
+            keras_workarounds.sharded_variables_savable(model.variables + (model.optimizer.variables
+                                                                           if model.optimizer else []))
+            if kind == "train":
+                step = _train_step_over_shards(model)
         metric_variables = self._metric_variables()
         iterations = model.optimizer.iterations if model.optimizer is not None else None
         skipped = {id(v) for v in metric_variables} | {id(iterations)}
@@ -422,6 +456,19 @@ class CoordinatedSteps:
         outputs = run()
         callbacks.on_predict_end()
         return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs)
+
+
+def _train_step_over_shards(model):
+    """Keras's `train_step` made to work with variables a partitioner split over ps tasks."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    if type(model).train_step is not TensorFlowTrainer.train_step:
+        raise KerasDistError(f"{type(model).__name__} overrides train_step, which cannot differentiate variables the "
+                             "variable_partitioner split; drop variable_partitioner or use Keras's train_step")
+    if model.optimizer.weight_decay:
+        raise KerasDistError("weight_decay cannot update variables the variable_partitioner split; "
+                             "drop weight_decay or variable_partitioner")
+    return keras_workarounds.train_step_over_shards(model) or model.train_step
 
 
 def _known_length(dataset):

@@ -1,11 +1,13 @@
 """A parameter-server training script for the fault-tolerance tests (the chief runs it all).
 
-    python ps_training.py OUT_DIR EPOCHS STEPS_PER_EPOCH
+    python ps_training.py OUT_DIR EPOCHS STEPS_PER_EPOCH [--hold-evaluation]
 
 Trains from a dataset function (built on every worker) with BackupAndRestore in
 OUT_DIR/backup, prints "epoch N begin" as each epoch starts (the tests kill tasks on
-cue), and writes OUT_DIR/result.json: epochs run, their durations, the optimizer's step
-count, the history, and an exact evaluation of the final weights.
+cue). With --hold-evaluation it prints "evaluate step 8" in the middle of the final
+evaluation and waits there until OUT_DIR/resume exists (at most 120 s). It writes
+OUT_DIR/result.json: epochs run, their durations, the optimizer's step count, the
+history, and `evaluate` and `predict` with their values computed here from the weights.
 """
 
 import json
@@ -20,6 +22,7 @@ import tensorflow as tf
 import keras_dist
 
 out_dir, epochs, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+hold_evaluation = "--hold-evaluation" in sys.argv[4:]
 rng = np.random.default_rng(0)
 x = rng.normal(size=(512, 8)).astype("float32")
 y = (x @ rng.normal(size=(8, 1))).astype("float32")
@@ -49,10 +52,26 @@ class EpochLog(keras.callbacks.Callback):
 
 history = model.fit(dataset_fn, epochs=epochs, steps_per_epoch=steps, verbose=0,
                     callbacks=[keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup")), EpochLog()])
-evaluation = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
-reference = float(np.mean((model.predict(x, batch_size=100, verbose=0) - y) ** 2))
+
+
+class HoldEvaluation(keras.callbacks.Callback):
+    def on_test_batch_begin(self, batch, logs=None):
+        if batch == 8:  # 7 finished steps not yet fetched; the next steps are not scheduled yet
+            print("evaluate step 8", flush=True)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(out_dir, "resume")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+x_eval, y_eval = np.tile(x, (4, 1)), np.tile(y, (4, 1))  # 32 steps of 64
+evaluation = model.evaluate(x_eval, y_eval, batch_size=64, verbose=0, return_dict=True,
+                            callbacks=[HoldEvaluation()] if hold_evaluation else [])
+predictions = model.predict(x, batch_size=100, verbose=0)
+kernel, bias, out_kernel, out_bias = model.get_weights()
+expected = np.maximum(x @ kernel + bias, 0) @ out_kernel + out_bias
 with open(os.path.join(out_dir, "result.json"), "w") as f:
     json.dump({"epochs_run": EpochLog.epochs, "epoch_seconds": EpochLog.seconds, "history": history.history,
                "iterations": int(model.optimizer.iterations.numpy()), "evaluate": evaluation,
-               "reference_mse": reference}, f)
+               "reference_mse": float(np.mean((expected - y) ** 2)),
+               "predict_error": float(np.max(np.abs(predictions - expected)))}, f)
 print("done", flush=True)
