@@ -103,9 +103,11 @@ def load(path):
         return json.load(f)
 
 
-def test_one_worker_trains_exactly_like_one_process(tmp_path):
+@pytest.mark.parametrize("model", ["sequential", "custom-step"])
+def test_one_worker_trains_exactly_like_one_process(tmp_path, model):
     # One worker runs one step at a time: asynchronous training degenerates to plain SGD.
-    args = ("--batch", 16, "--samples", 72, "--eval-samples", 17)
+    # A custom train_step's epoch logs are its last step's, as in Keras.
+    args = ("--batch", 16, "--samples", 72, "--eval-samples", 17, "--model", model)
     (tmp_path / "ps").mkdir()
     (tmp_path / "single").mkdir()
     code, out = launch(1, 1, [WORKERS / "train_worker.py", tmp_path / "ps", *args])

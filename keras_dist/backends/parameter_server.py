@@ -187,6 +187,9 @@ class ParameterServerBackend(Backend):
                 "variable_partitioner": type(partitioner).__name__ if partitioner else None}
 
     def run_loop(self, method, model, keras_method, arguments):
+        if model.run_eagerly:
+            raise KerasDistError("backend 'parameter_server' runs steps on workers as tf.functions; drop "
+                                 "run_eagerly=True (debug eagerly with KERAS_DIST_BACKEND=single)")
         steps = self._steps.get(model)
         if steps is None:
             steps = self._steps[model] = CoordinatedSteps(model, self.strategy, self.coordinator, self.num_workers)
@@ -268,14 +271,14 @@ class CoordinatedSteps:
                 return step(data)
             zeros = [(v, tf.zeros(v.shape, v.dtype)) for v in metric_variables]
             with keras.StatelessScope(state_mapping=zeros, collect_losses=True) as scope:
-                step(data)
+                logs = step(data)
             for variable in written:  # BatchNorm statistics, weight constraints
                 value = scope.get_current_value(variable)
                 if value is not None:
                     variable.assign(value)
             if kind == "train" and iterations is not None:
                 iterations.value.assign_add(1)  # atomic on the ps, unlike Keras's read-then-write
-            return [scope.get_current_value(v) for v in metric_variables]
+            return [scope.get_current_value(v) for v in metric_variables], logs if isinstance(logs, dict) else {}
 
         if per_worker_input:
             function = tf.function(lambda iterator: self.strategy.run(run_step, args=(next(iterator),)))
@@ -293,13 +296,22 @@ class CoordinatedSteps:
             else:
                 self.model._symbolic_build(data_batch=batch)
 
-    def _results(self, fetched_states):
+    def _results(self, fetched):
+        """Logs of a run from its steps' `(metric states, step logs)`, in step order.
+
+        As in Keras: the metrics' results over all steps, computed from the summed
+        states, unless a custom step returns other keys; then the keys of the last
+        step's logs, with the metrics' results where names match (a step's own states
+        start at zero, so its values cover that step only).
+        """
         from keras_dist.training import metric_results
 
         states = [np.zeros(v.shape, v.dtype) for v in self._metric_variables()]
-        for step_states in fetched_states:
+        for step_states, _ in fetched:
             states = [total + np.asarray(part) for total, part in zip(states, step_states)]
         results = metric_results(self.model.metrics, states)
+        if fetched and set(fetched[-1][1]) != set(results):
+            results = {name: results.get(name, value) for name, value in fetched[-1][1].items()}
         return {name: float(value) if np.ndim(value) == 0 else np.asarray(value) for name, value in results.items()}
 
     def _fetch(self, remote, function, args, attempts=3):

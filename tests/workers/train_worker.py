@@ -20,7 +20,7 @@ parser.add_argument("--callbacks", action="store_true", help="add checkpoint, ba
 parser.add_argument("--raw-keras", action="store_true", help="plain model.compile under the strategy")
 parser.add_argument("--adam", action="store_true", help="Adam, made outside any scope, instead of SGD")
 parser.add_argument("--dataset", action="store_true", help="fit on a tf.data.Dataset batched at --batch")
-parser.add_argument("--model", choices=["sequential", "functional", "subclassed"], default="sequential",
+parser.add_argument("--model", choices=["sequential", "functional", "subclassed", "custom-step"], default="sequential",
                     help="how the script builds its model (always before keras_dist.compile)")
 parser.add_argument("--layer-state", action="store_true", help="add Dropout and BatchNormalization (state set in call)")
 args = parser.parse_args()
@@ -54,12 +54,22 @@ class TwoLayers(keras.Model):
         return self.out(self.hidden(inputs))
 
 
+class CustomStep(TwoLayers):
+    """Keras's step plus a log that is no metric: epoch logs are then the last step's logs."""
+
+    def train_step(self, data):
+        return {**super().train_step(data), "first_prediction": self(data[0][:1])[0, 0]}
+
+
 if args.model == "functional":
     inputs = keras.Input((5,))
     model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
 elif args.model == "subclassed":
     model = TwoLayers()
     model(x[:1])  # built, its variables made, before keras_dist.compile
+elif args.model == "custom-step":
+    model = CustomStep()
+    model(x[:1])
 else:
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), *state_layers, keras.layers.Dense(1)])
 initial = [w.tolist() for w in model.get_weights()]
