@@ -103,20 +103,24 @@ def load(path):
         return json.load(f)
 
 
-@pytest.mark.parametrize("model", ["sequential", "custom-step"])
-def test_one_worker_trains_exactly_like_one_process(tmp_path, model):
+@pytest.mark.parametrize("model, num_ps, min_shard_bytes", [("sequential", 1, ""), ("custom-step", 1, ""),
+                                                            ("sequential", 2, "16")])
+def test_one_worker_trains_exactly_like_one_process(tmp_path, model, num_ps, min_shard_bytes):
     # One worker runs one step at a time: asynchronous training degenerates to plain SGD.
-    # A custom train_step's epoch logs are its last step's, as in Keras.
+    # A custom train_step's epoch logs are its last step's, as in Keras. With 16-byte
+    # shards the hidden kernel (5x4 floats) is split over both ps tasks (dense gradients).
     args = ("--batch", 16, "--samples", 72, "--eval-samples", 17, "--model", model)
     (tmp_path / "ps").mkdir()
     (tmp_path / "single").mkdir()
-    code, out = launch(1, 1, [WORKERS / "train_worker.py", tmp_path / "ps", *args])
+    code, out = launch(1, num_ps, [WORKERS / "train_worker.py", tmp_path / "ps", *args],
+                       env={"KERAS_DIST_MIN_SHARD_BYTES": min_shard_bytes})
     assert code == 0, out[-4000:]
     code, out = run([PYTHON, WORKERS / "train_worker.py", tmp_path / "single", *args], timeout=200,
                     env={"KERAS_DIST_BACKEND": "single"})
     assert code == 0, out[-4000:]
     ps, single = load(tmp_path / "ps" / "result-0.json"), load(tmp_path / "single" / "result-0.json")
     assert ps["describe"]["backend"] == "parameter_server"
+    assert ps["shards"] == ([2, 1, 1, 1] if min_shard_bytes else [1, 1, 1, 1])
     assert ps["weights"] == single["weights"]
     assert ps["history"] == single["history"]  # loss, mae, val_loss, val_mae per epoch
     assert ps["evaluate"] == single["evaluate"]

@@ -101,6 +101,8 @@ result = {
     "evaluate": evaluation,
     "predict": prediction.tolist(),
     "reference_predict": model(x[:args.eval_samples]).numpy().tolist(),
+    # Parts per variable: more than 1 where a parameter-server partitioner split it.
+    "shards": [len(getattr(v.value, "variables", [v])) for v in model.variables],
 }
 with open(os.path.join(args.out, f"result-{ctx.rank}.json"), "w") as f:
     json.dump(result, f)
