@@ -1,6 +1,6 @@
 """Throughput of keras_dist against plain Keras and a hand-written Horovod loop.
 
-    .venv/bin/python bench/run.py [--repeats 3] [--models cnn,mlp]
+    .venv/bin/python bench/run.py [--repeats 3] [--models cnn,mlp,emb]
 
 Every configuration runs in this one invocation, on this machine, so the ratios compare
 like with like; absolute numbers move with machine load, ratios much less. Each worker
@@ -16,6 +16,9 @@ Configurations per model:
   keras_dist_mwms_2   keras_dist multi_worker_mirrored backend, 2 processes x 1 thread
   keras_dist_ps_1     keras_dist parameter_server backend: chief + 1 worker + 1 ps
   keras_dist_ps_2     the same with 2 workers (asynchronous steps; the ratio is steps/s)
+The embedding model (`emb`, a 12.8 MB table) runs plain_1 and, with 2 workers and 2 ps:
+  ps_whole_2          the table whole on one ps task
+  ps_sharded_2        the table split over both (KERAS_DIST_MIN_SHARD_BYTES=1 MiB)
 Strategy workers get TF_CONFIG on free 127.0.0.1 ports, as `keras-dist launch` gives them.
 """
 
@@ -35,14 +38,15 @@ from keras_dist.launcher import kill_process_groups
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
 HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
-STEPS = {"cnn": 20, "mlp": 60}
+STEPS = {"cnn": 20, "mlp": 60, "emb": 100}
 
 
-def launch(mode, model, processes, repeats, threads, launcher):
+def launch(mode, model, processes, repeats, threads, launcher, num_ps=1, extra_env=None):
     """Median samples/s of `processes` workers of `mode`, started by `launcher`.
 
     `launcher`: None (one plain process), "horovod", or a keras_dist backend name whose
-    `local_tasks` give the processes (multi_worker_mirrored, parameter_server).
+    `local_tasks` give the processes (multi_worker_mirrored, parameter_server, with
+    `num_ps` ps tasks). `extra_env` goes to every process.
     """
     argv = [str(HERE / "worker.py"), mode, model, str(repeats + 1), str(STEPS[model])]
     if launcher is None:
@@ -53,9 +57,9 @@ def launch(mode, model, processes, repeats, threads, launcher):
     else:
         from keras_dist.backends import backend_class
 
-        num_ps = 1 if launcher == "parameter_server" else 0
+        num_ps = num_ps if launcher == "parameter_server" else 0
         commands = [(t.argv, t.env, t.serves) for t in backend_class(launcher).local_tasks(processes, num_ps, argv)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": str(threads)}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": str(threads), **(extra_env or {})}
     codes, output = run_together(commands, env, timeout=900)
     reports = [json.loads(line.split("BENCH ", 1)[1]) for line in output.splitlines() if "BENCH " in line]
     reporting = sum(1 for _, _, serves in commands if not serves) * (processes if launcher == "horovod" else 1)
@@ -98,12 +102,23 @@ def run_together(commands, env, timeout):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="cnn,mlp")
+    parser.add_argument("--models", default="cnn,mlp,emb")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     args = parser.parse_args()
     results, ratios = {}, {}
     for model in args.models.split(","):
         runs = {}
+        if model == "emb":
+            for name, extra_env in [("plain_1", None), ("ps_whole_2", {}),
+                                    ("ps_sharded_2", {"KERAS_DIST_MIN_SHARD_BYTES": str(1 << 20)})]:
+                runs[name], params = launch("plain" if extra_env is None else "keras_dist", model, 2, args.repeats,
+                                            args.threads, None if extra_env is None else "parameter_server",
+                                            num_ps=2, extra_env=extra_env)
+                print(f"{model:4s} {name:14s} {runs[name]:10.1f} samples/s", flush=True)
+            results[model] = {"params": params, "samples_per_s": runs}
+            ratios["emb_ps_sharded_2_vs_ps_whole_2"] = runs["ps_sharded_2"] / runs["ps_whole_2"]
+            ratios["emb_ps_whole_2_vs_plain_1"] = runs["ps_whole_2"] / runs["plain_1"]
+            continue
         for name, mode, processes, launcher in [
             ("plain_1", "plain", 1, None), ("keras_dist_1", "keras_dist", 1, None),
             ("handwritten_2", "handwritten", 2, "horovod"), ("keras_dist_2", "keras_dist", 2, "horovod"),

@@ -32,18 +32,24 @@ MODELS = {
         keras.layers.Flatten(), keras.layers.Dense(172, activation="relu"), keras.layers.Dense(10)]),
     "mlp": ((784,), 128, lambda: [
         keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)]),
+    # A 12.8 MB table (100000 x 32 floats) looked up by 4 ids per example: parameter-server territory.
+    "emb": ((4,), 128, lambda: [
+        keras.layers.Embedding(EMBEDDING_ROWS, 32), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10)]),
 }
+EMBEDDING_ROWS = 100000
 shape, batch, layers = MODELS[model_name]
 
 
 def build():
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input(shape), *layers()])
+    return keras.Sequential([keras.Input(shape, dtype="int32" if model_name == "emb" else "float32"), *layers()])
 
 
 def data(count):
     rng = np.random.default_rng(0)
-    return rng.random((count, *shape), dtype=np.float32), rng.integers(0, 10, count).astype("int32")
+    x = rng.integers(0, EMBEDDING_ROWS, (count, *shape)).astype("int32") if model_name == "emb" else \
+        rng.random((count, *shape), dtype=np.float32)
+    return x, rng.integers(0, 10, count).astype("int32")
 
 
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
