@@ -316,14 +316,20 @@ def sharded_embedding_lookups(model):
             quantization) is replaced on that layer instance only.
     """
     for layer in model._flatten_layers():
-        if isinstance(layer, keras.layers.Embedding) and is_sharded(layer._embeddings) \
+        # Subclasses keep their own `call`: it may do more than look up rows.
+        if type(layer).call is keras.layers.Embedding.call and is_sharded(layer._embeddings) \
                 and not layer.lora_enabled and not layer.quantization_mode:
             object.__setattr__(layer, "call", _lookup_by_shard(layer))
 
 
 def _lookup_by_shard(layer):
+    keras_call = layer.call
+
     def call(inputs):
+        if isinstance(inputs, tf.SparseTensor):
+            return keras_call(inputs)  # Keras combines sparse ids itself; it reads the whole table
         ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+        ids = tf.where(ids < 0, ids + layer.input_dim, ids)  # as Keras's `take`: -1 is the last row
         # Dispatches to a per-shard gather for a ShardedVariable ("div" partitioning).
         return tf.cast(tf.nn.embedding_lookup(layer._embeddings._value, ids), layer.compute_dtype)
 

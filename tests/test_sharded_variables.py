@@ -69,17 +69,21 @@ def test_training_sharded_variables_matches_training_whole_ones(make_optimizer):
     assert not np.allclose(sharded.get_layer("table").embeddings.numpy(), initial_table, atol=1e-3)
     for got, want in zip(sharded.get_weights(), whole.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    # The optimizer's slots of a sharded variable follow it (Adam: same shape, created without colocation).
-    assert [v.shape for v in sharded.optimizer.variables] == [v.shape for v in whole.optimizer.variables]
+    # Slots (momentum; Adam's moments) were made for the sharded variables too, and updated alike.
+    for got, want in zip(sharded.optimizer.variables, whole.optimizer.variables):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_sharded_embedding_reads_only_its_batch_rows_and_gives_the_same_outputs():
     model = make_model()
     ids = data(1)[0][0]
-    expected = model.predict(ids, verbose=0)
+    ids[0, 0] = -1  # the last row, as in Keras's lookup
+    expected = model(ids).numpy()
     split(model.get_layer("table").embeddings, 3)
     keras_workarounds.sharded_embedding_lookups(model)
-    np.testing.assert_allclose(model.predict(ids, verbose=0), expected, rtol=1e-6)
+    assert "_lookup_by_shard" in model.get_layer("table").call.__qualname__
+    np.testing.assert_allclose(model(ids).numpy(), expected, rtol=1e-6)
+    ids[0, 0] = 0
     shards = model.get_layer("table").embeddings._value.variables
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(model(ids[:1]))
@@ -98,8 +102,32 @@ def test_sharded_weights_save_and_load(tmp_path):
     fresh.load_weights(path)
     for got, want in zip(fresh.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(got, want)
-    model.load_weights(path)  # assigning to the shards
-    np.testing.assert_array_equal(model.get_layer("table").embeddings.numpy(), fresh.get_layer("table").embeddings.numpy())
+    other = make_model(seed=5)
+    other.save_weights(path)
+    model.load_weights(path)  # other values, assigned shard by shard
+    np.testing.assert_array_equal(model.get_layer("table").embeddings.numpy(), other.get_layer("table").embeddings.numpy())
+    assert not np.array_equal(other.get_layer("table").embeddings.numpy(), fresh.get_layer("table").embeddings.numpy())
+
+
+class ScaledEmbedding(keras.layers.Embedding):
+    def call(self, inputs):
+        return super().call(inputs) * 2.0
+
+
+def test_embedding_subclasses_and_sparse_ids_keep_keras_lookup():
+    ids = keras.Input((3,), dtype="int32")
+    model = keras.Model(ids, ScaledEmbedding(ROWS, DIM)(ids))
+    batch = data(1)[0][0]
+    expected = model(batch).numpy()
+    split(model.layers[1].embeddings, 2)
+    keras_workarounds.sharded_embedding_lookups(model)
+    np.testing.assert_allclose(model(batch).numpy(), expected, rtol=1e-6)
+    layer = make_model().get_layer("table")
+    sparse = tf.SparseTensor([[0, 0], [1, 2]], [3, 7], [2, 3])
+    expected = layer(sparse).numpy()
+    split(layer.embeddings, 2)
+    object.__setattr__(layer, "call", keras_workarounds._lookup_by_shard(layer))
+    np.testing.assert_allclose(layer(sparse).numpy(), expected, rtol=1e-6)
 
 
 class CustomStep(keras.Model):
@@ -114,7 +142,31 @@ def test_sharded_variables_refuse_custom_train_steps_and_weight_decay_in_one_lin
     assert "\n" not in str(error.value)
     with pytest.raises(KerasDistError, match="drop weight_decay"):
         _train_step_over_shards(sharded_model(keras.optimizers.AdamW(0.01, weight_decay=0.01)))
+    with pytest.raises(KerasDistError, match="drop use_ema"):
+        _train_step_over_shards(sharded_model(keras.optimizers.SGD(0.1, use_ema=True)))
     assert _train_step_over_shards(sharded_model(keras.optimizers.SGD(0.1))) is not None
+    # A frozen sharded table needs no gradient: Keras's own (custom) step is kept.
+    frozen = sharded_model(keras.optimizers.SGD(0.1), model_class=CustomStep)
+    frozen.get_layer("table").trainable = False
+    frozen.get_layer("hidden").trainable = False
+    assert _train_step_over_shards(frozen) == frozen.train_step
+
+
+def test_bad_shard_size_and_run_eagerly_are_refused_in_one_line(monkeypatch):
+    from keras_dist.backends.parameter_server import ParameterServerBackend, _partitioner_from_environment
+
+    for text in ("0", "64k", "²"):
+        monkeypatch.setenv("KERAS_DIST_MIN_SHARD_BYTES", text)
+        with pytest.raises(KerasDistError, match="not a positive number of bytes"):
+            _partitioner_from_environment(2)
+    monkeypatch.setenv("KERAS_DIST_MIN_SHARD_BYTES", "1024")
+    assert _partitioner_from_environment(2)(tf.TensorShape([1000, 8]), tf.float32) == [2, 1]
+    model = make_model()
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    backend = object.__new__(ParameterServerBackend)  # the check comes before any cluster is used
+    with pytest.raises(KerasDistError, match="drop run_eagerly=True") as error:
+        backend.run_loop("fit", model, None, {})
+    assert "\n" not in str(error.value)
 
 
 def test_upstream_keras_18624_sharded_variables_still_fail_in_plain_keras(tmp_path):

@@ -77,7 +77,7 @@ class ParameterServerBackend(Backend):
     Variables are placed whole, round-robin over the ps tasks, unless a partitioner
     splits large ones (embedding tables) into shards on several ps tasks. A sharded
     `Embedding` then reads and updates only the rows of each batch. Sharded variables
-    need Keras's own `train_step` and an optimizer without `weight_decay`.
+    need Keras's own `train_step` and an optimizer without `weight_decay` or `use_ema`.
 
     Args:
         variable_partitioner: a `tf.distribute.experimental.partitioners` partitioner;
@@ -162,6 +162,7 @@ class ParameterServerBackend(Backend):
 
     def prepare_model(self, model):
         move_variables(model, self.strategy)
+        keras_workarounds.sharded_variables_savable(model.variables)  # saving before fit too
         self._steps.pop(model, None)  # a recompiled model gets new step functions
         return model
 
@@ -203,7 +204,7 @@ def _partitioner_from_environment(num_ps):
     text = os.environ.get(MIN_SHARD_BYTES_VAR, "")
     if not text:
         return None
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdecimal() or int(text) < 1:
         raise KerasDistError(f"{MIN_SHARD_BYTES_VAR}={text!r} is not a positive number of bytes; "
                              "set it to e.g. 262144 or unset it")
     return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=int(text), max_shards=num_ps)
@@ -474,13 +475,17 @@ def _train_step_over_shards(model):
     """Keras's `train_step` made to work with variables a partitioner split over ps tasks."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+    train_step = keras_workarounds.train_step_over_shards(model)
+    if train_step is None:  # only frozen variables are sharded: Keras's step works
+        return model.train_step
     if type(model).train_step is not TensorFlowTrainer.train_step:
         raise KerasDistError(f"{type(model).__name__} overrides train_step, which cannot differentiate variables the "
                              "variable_partitioner split; drop variable_partitioner or use Keras's train_step")
-    if model.optimizer.weight_decay:
-        raise KerasDistError("weight_decay cannot update variables the variable_partitioner split; "
-                             "drop weight_decay or variable_partitioner")
-    return keras_workarounds.train_step_over_shards(model) or model.train_step
+    for option in ("weight_decay", "use_ema"):  # both update every variable through one colocated op
+        if getattr(model.optimizer, option):
+            raise KerasDistError(f"the optimizer's {option} cannot update variables the variable_partitioner split; "
+                                 f"drop {option} or variable_partitioner")
+    return train_step
 
 
 def _known_length(dataset):
