@@ -316,9 +316,10 @@ def sharded_embedding_lookups(model):
             quantization) is replaced on that layer instance only.
     """
     for layer in model._flatten_layers():
-        # Subclasses keep their own `call`: it may do more than look up rows.
-        if type(layer).call is keras.layers.Embedding.call and is_sharded(layer._embeddings) \
-                and not layer.lora_enabled and not layer.quantization_mode:
+        # Subclasses keep their own `call`: it may do more than look up rows. Idempotent:
+        # each step function (train, test, predict) asks again.
+        if type(layer).call is keras.layers.Embedding.call and "call" not in vars(layer) \
+                and is_sharded(layer._embeddings) and not layer.lora_enabled and not layer.quantization_mode:
             object.__setattr__(layer, "call", _lookup_by_shard(layer))
 
 
