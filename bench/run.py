@@ -41,7 +41,7 @@ HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
 STEPS = {"cnn": 20, "mlp": 60, "emb": 100}
 
 
-def launch(mode, model, processes, repeats, threads, launcher, num_ps=1, extra_env=None):
+def launch(mode, model, processes, repeats, threads, launcher, num_ps=0, extra_env=None):
     """Median samples/s of `processes` workers of `mode`, started by `launcher`.
 
     `launcher`: None (one plain process), "horovod", or a keras_dist backend name whose
@@ -57,7 +57,6 @@ def launch(mode, model, processes, repeats, threads, launcher, num_ps=1, extra_e
     else:
         from keras_dist.backends import backend_class
 
-        num_ps = num_ps if launcher == "parameter_server" else 0
         commands = [(t.argv, t.env, t.serves) for t in backend_class(launcher).local_tasks(processes, num_ps, argv)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": str(threads), **(extra_env or {})}
     codes, output = run_together(commands, env, timeout=900)
@@ -99,6 +98,37 @@ def run_together(commands, env, timeout):
         return codes, "".join(out.read() for out in outputs)
 
 
+SHARDED = {"KERAS_DIST_MIN_SHARD_BYTES": str(1 << 20)}
+# model kind -> configurations: (name, worker mode, processes, launcher, ps tasks, extra environment)
+CONFIGS = {
+    "dense": [
+        ("plain_1", "plain", 1, None, 0, {}), ("keras_dist_1", "keras_dist", 1, None, 0, {}),
+        ("handwritten_2", "handwritten", 2, "horovod", 0, {}), ("keras_dist_2", "keras_dist", 2, "horovod", 0, {}),
+        ("handwritten_mwms_2", "handwritten_mwms", 2, "multi_worker_mirrored", 0, {}),
+        ("keras_dist_mwms_2", "keras_dist", 2, "multi_worker_mirrored", 0, {}),
+        ("keras_dist_ps_1", "keras_dist", 1, "parameter_server", 1, {}),
+        ("keras_dist_ps_2", "keras_dist", 2, "parameter_server", 1, {}),
+    ],
+    "emb": [
+        ("plain_1", "plain", 1, None, 0, {}), ("ps_whole_2", "keras_dist", 2, "parameter_server", 2, {}),
+        ("ps_sharded_2", "keras_dist", 2, "parameter_server", 2, SHARDED),
+    ],
+}
+# model kind -> ratios: (name, numerator, denominator)
+RATIOS = {
+    "dense": [
+        ("keras_dist_1_vs_plain_1", "keras_dist_1", "plain_1"),
+        ("keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2"),
+        ("keras_dist_2_vs_plain_1", "keras_dist_2", "plain_1"),
+        ("keras_dist_mwms_2_vs_handwritten_mwms_2", "keras_dist_mwms_2", "handwritten_mwms_2"),
+        ("keras_dist_mwms_2_vs_keras_dist_horovod_2", "keras_dist_mwms_2", "keras_dist_2"),
+        ("keras_dist_ps_2_vs_ps_1", "keras_dist_ps_2", "keras_dist_ps_1"),
+        ("keras_dist_ps_1_vs_plain_1", "keras_dist_ps_1", "plain_1"),
+    ],
+    "emb": [("ps_sharded_2_vs_ps_whole_2", "ps_sharded_2", "ps_whole_2"), ("ps_whole_2_vs_plain_1", "ps_whole_2", "plain_1")],
+}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
@@ -107,35 +137,14 @@ def main():
     args = parser.parse_args()
     results, ratios = {}, {}
     for model in args.models.split(","):
+        kind = "emb" if model == "emb" else "dense"
         runs = {}
-        if model == "emb":
-            for name, extra_env in [("plain_1", None), ("ps_whole_2", {}),
-                                    ("ps_sharded_2", {"KERAS_DIST_MIN_SHARD_BYTES": str(1 << 20)})]:
-                runs[name], params = launch("plain" if extra_env is None else "keras_dist", model, 2, args.repeats,
-                                            args.threads, None if extra_env is None else "parameter_server",
-                                            num_ps=2, extra_env=extra_env)
-                print(f"{model:4s} {name:14s} {runs[name]:10.1f} samples/s", flush=True)
-            results[model] = {"params": params, "samples_per_s": runs}
-            ratios["emb_ps_sharded_2_vs_ps_whole_2"] = runs["ps_sharded_2"] / runs["ps_whole_2"]
-            ratios["emb_ps_whole_2_vs_plain_1"] = runs["ps_whole_2"] / runs["plain_1"]
-            continue
-        for name, mode, processes, launcher in [
-            ("plain_1", "plain", 1, None), ("keras_dist_1", "keras_dist", 1, None),
-            ("handwritten_2", "handwritten", 2, "horovod"), ("keras_dist_2", "keras_dist", 2, "horovod"),
-            ("handwritten_mwms_2", "handwritten_mwms", 2, "multi_worker_mirrored"),
-            ("keras_dist_mwms_2", "keras_dist", 2, "multi_worker_mirrored"),
-            ("keras_dist_ps_1", "keras_dist", 1, "parameter_server"), ("keras_dist_ps_2", "keras_dist", 2, "parameter_server"),
-        ]:
-            runs[name], params = launch(mode, model, processes, args.repeats, args.threads, launcher)
+        for name, mode, processes, launcher, num_ps, extra_env in CONFIGS[kind]:
+            runs[name], params = launch(mode, model, processes, args.repeats, args.threads, launcher, num_ps, extra_env)
             print(f"{model:4s} {name:14s} {runs[name]:10.1f} samples/s", flush=True)
         results[model] = {"params": params, "samples_per_s": runs}
-        ratios[f"{model}_keras_dist_1_vs_plain_1"] = runs["keras_dist_1"] / runs["plain_1"]
-        ratios[f"{model}_keras_dist_2_vs_handwritten_2"] = runs["keras_dist_2"] / runs["handwritten_2"]
-        ratios[f"{model}_keras_dist_2_vs_plain_1"] = runs["keras_dist_2"] / runs["plain_1"]
-        ratios[f"{model}_keras_dist_mwms_2_vs_handwritten_mwms_2"] = runs["keras_dist_mwms_2"] / runs["handwritten_mwms_2"]
-        ratios[f"{model}_keras_dist_mwms_2_vs_keras_dist_horovod_2"] = runs["keras_dist_mwms_2"] / runs["keras_dist_2"]
-        ratios[f"{model}_keras_dist_ps_2_vs_ps_1"] = runs["keras_dist_ps_2"] / runs["keras_dist_ps_1"]
-        ratios[f"{model}_keras_dist_ps_1_vs_plain_1"] = runs["keras_dist_ps_1"] / runs["plain_1"]
+        for name, numerator, denominator in RATIOS[kind]:
+            ratios[f"{model}_{name}"] = runs[numerator] / runs[denominator]
     print(json.dumps({"results": results, "ratios": {k: round(v, 3) for k, v in ratios.items()}}))
 
 
