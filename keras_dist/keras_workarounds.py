@@ -34,35 +34,28 @@ def apply(model, strategy):
 
 
 def build_from_local_batch(model, strategy):
-    """Builds the model from one replica's batch instead of a reduced distributed batch.
+    """Builds the model from the input's element spec instead of a reduced distributed batch.
 
     Upstream: tensorflow/tensorflow#72388, keras-team/keras#20585. Before the first step
-    Keras's TF trainer (`_maybe_symbolic_build`) calls `strategy.reduce("MEAN", batch)`
-    on the whole `(x, y)` structure to get shapes; MultiWorkerMirroredStrategy cannot
-    reduce a nested structure and fails with `Attempt to convert a value (PerReplica:...)`.
-    Only shapes and dtypes are needed, which the first replica's batch has.
+    Keras's TF trainer (`_maybe_symbolic_build`) takes a batch from an iterator it then
+    drops and calls `strategy.reduce("MEAN", batch)` on the whole `(x, y)` structure to
+    get shapes; MultiWorkerMirroredStrategy cannot reduce a nested structure and fails
+    with `Attempt to convert a value (PerReplica:...)`. Only shapes and dtypes are
+    needed, which the dataset's element spec has: no batch is read, so the pipeline
+    preprocesses nothing twice and a seeded shuffle starts where one process's does.
 
     Args:
         model: the model; its `_maybe_symbolic_build` is replaced on this instance only.
-        strategy: the strategy whose per-replica batches reach the model.
+        strategy: the strategy the model trains under.
     """
 
     def _maybe_symbolic_build(iterator=None, data_batch=None):
         if iterator is not None:
-            for _, _, it in iterator:
-                data_batch = next(it)
-                break
-        data_batch = tree.map_structure(lambda v: _first_replica(strategy, v), data_batch)
+            data_batch = iterator.data_adapter.get_tf_dataset().element_spec
         with strategy.scope():
             model._symbolic_build(data_batch=data_batch)
 
     object.__setattr__(model, "_maybe_symbolic_build", _maybe_symbolic_build)
-
-
-def _first_replica(strategy, value):
-    if isinstance(value, tf.distribute.DistributedValues):
-        return strategy.experimental_local_results(value)[0]
-    return value
 
 
 def step_functions(model, strategy):

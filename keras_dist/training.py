@@ -14,7 +14,7 @@ import warnings
 
 import tensorflow as tf
 
-from keras_dist import sharding
+from keras_dist import runtime, sharding
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
 from keras_dist.errors import KerasDistError
@@ -39,33 +39,32 @@ class DistributedTraining:
     # --- inputs ---------------------------------------------------------------
     @property
     def num_shards(self):
-        return self.backend.input_shard_count
+        return self.backend.input_plan.num_shards
 
-    def _process_batch(self, batch_size):
-        return None if batch_size is None else batch_size * self.backend.replicas_per_process
-
-    def _split(self, args, pad, batch_key="batch_size"):
+    def _split(self, args, pad, batch_key="batch_size", steps_key="steps", purpose="evaluate"):
         """Replaces x/y/sample_weight in `args` with this process's shard."""
+        plan = self.backend.input_plan
         x = args.get("x")
-        batch = self._process_batch(args.get(batch_key))
         if isinstance(x, tf.data.Dataset):
-            if batch is None and self.backend.replicas_per_process > 1:
-                # The dataset's own batch is per replica, like batch_size for arrays.
-                batch = sharding.dataset_batch_size(x)[0] * self.backend.replicas_per_process
-            args["x"] = sharding.shard_dataset(x, self.num_shards, self.backend.input_shard_index, pad, batch)
+            if plan.num_shards > 1 and args.get(steps_key) is None and x.cardinality() == tf.data.INFINITE_CARDINALITY:
+                raise KerasDistError(f"the dataset is infinite (it repeats); pass {steps_key} to {purpose}")
+            # With a step count the epoch ends there; without, shards are padded to equal steps.
+            args["x"] = sharding.shard_dataset(x, plan.num_shards, plan.shard_index, pad and args.get(steps_key) is None,
+                                               plan.batch_multiplier, files=purpose != "predict",
+                                               allgather=self.backend.allgather_object)
         elif x is not None and sharding.is_array_input(x):
             arrays = {k: args[k] for k in _INPUT_NAMES if k in args}
-            args.update(sharding.shard_arrays(arrays, self.num_shards, self.backend.input_shard_index, pad))
-            if batch is not None:
-                args[batch_key] = batch
-        elif self.num_shards > 1:
+            args.update(sharding.shard_arrays(arrays, plan.num_shards, plan.shard_index, pad))
+            if args.get(batch_key) is not None:
+                args[batch_key] *= plan.batch_multiplier
+        elif plan.num_shards > 1:
             raise KerasDistError(
-                f"keras_dist cannot split a {type(x).__name__} across {self.num_shards} processes; "
+                f"keras_dist cannot split a {type(x).__name__} across {plan.num_shards} processes; "
                 "pass NumPy arrays or a tf.data.Dataset"
             )
         else:
             return
-        if not pad and self.backend.steps_are_collective:
+        if not pad and plan.collective_steps:
             args["x"] = sharding.open_ended(args if sharding.is_array_input(args["x"]) else args["x"], args.get(batch_key))
             args.update({k: None for k in ("y", "sample_weight", batch_key) if k in args})
 
@@ -86,6 +85,7 @@ class DistributedTraining:
         else:
             val = dict(zip(_INPUT_NAMES, validation))
         val["batch_size"] = args.get("validation_batch_size") or args.get("batch_size")
+        val["steps"] = args.get("validation_steps")
         self._split(val, pad=False)
         args["validation_data"] = val["x"] if isinstance(val["x"], tf.data.Dataset) else tuple(val.get(k) for k in _INPUT_NAMES)
         if args.get("validation_batch_size") is not None:
@@ -106,7 +106,7 @@ class DistributedTraining:
     def fit(self, *args, **kwargs):
         arguments = self._worker_args(self.keras_fit, args, kwargs)
         self._split_validation(arguments)
-        self._split(arguments, pad=True)
+        self._split(arguments, pad=True, steps_key="steps_per_epoch", purpose="fit")
         if self.backend.size > 1:
             arguments["callbacks"].append(SyncInitialState(self.backend))
         with self._flag("in_fit"):
@@ -126,7 +126,7 @@ class DistributedTraining:
 
     def predict(self, *args, **kwargs):
         arguments = self._worker_args(self.keras_predict, args, kwargs)
-        self._split(arguments, pad=False)
+        self._split(arguments, pad=False, purpose="predict")
         self._sync_once()
         with self._quiet_end_of_open_ended_input():
             outputs = self.backend.run_loop("predict", self.model, self.keras_predict, arguments)
@@ -157,7 +157,7 @@ class DistributedTraining:
     def _quiet_end_of_open_ended_input(self):
         # Keras warns "Your input ran out of data" where an open-ended input ends as planned.
         with warnings.catch_warnings():
-            if self.backend.steps_are_collective:
+            if self.backend.input_plan.collective_steps:
                 warnings.filterwarnings("ignore", message="Your input ran out of data")
             yield
 
@@ -189,6 +189,30 @@ def metric_results(metrics, states):
         else:
             results[metric.name] = result
     return results
+
+
+def distribute_dataset(dataset, training=True):
+    """This process's share of `dataset`, as keras_dist's `fit` (or `evaluate`) reads it.
+
+    For loops of your own, and to see what each worker reads: a batched dataset whose
+    batch size is per replica, split as described in `keras_dist.sharding`.
+
+    Args:
+        dataset: a batched `tf.data.Dataset`, the same on every process.
+        training: pad the shards to equal length, as `fit` does (collective; every
+            process must call it).
+
+    Example:
+
+    ```python
+    for x, y in keras_dist.distribute_dataset(dataset):
+        ...
+    ```
+    """
+    backend = runtime.current()
+    plan = backend.input_plan
+    return sharding.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
+                                  allgather=backend.allgather_object)
 
 
 def attach(model, backend):

@@ -3,7 +3,6 @@
 import numpy as np
 import keras
 import pytest
-import tensorflow as tf
 
 import keras_dist
 from keras_dist import backends, sharding
@@ -80,21 +79,6 @@ def test_arrays_are_interleaved_and_padded_only_for_training():
     assert [list(sharding.shard_arrays(x, 3, r, pad=True)) for r in range(3)] == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]
     shards = sharding.shard_arrays({"x": x, "y": x * 10, "sample_weight": None}, 2, 1, pad=False)
     assert list(shards["y"]) == [10, 30, 50] and shards["sample_weight"] is None
-
-
-def test_datasets_are_interleaved_by_element_and_rebatched_per_replica():
-    dataset = tf.data.Dataset.range(11).map(lambda i: (i, -i)).batch(4)
-    shards = [list(sharding.shard_dataset(dataset, 3, r, pad=False).as_numpy_iterator()) for r in range(3)]
-    assert [list(b[0]) for b in shards[0]] == [[0, 3, 6, 9]]
-    assert [list(b[1]) for b in shards[2]] == [[-2, -5, -8]]
-    padded = [list(sharding.shard_dataset(dataset, 3, r, pad=True).as_numpy_iterator()) for r in range(3)]
-    assert [[list(b[0]) for b in shard] for shard in padded] == [[[0, 3, 6, 9]], [[1, 4, 7, 10]], [[2, 5, 8, 0]]]
-    assert sharding.shard_dataset(dataset, 3, 0, pad=True).cardinality() == 1
-
-
-def test_unbatched_dataset_is_a_one_line_error():
-    with pytest.raises(KerasDistError, match=r"not batched; call .batch\(batch_size\)"):
-        sharding.shard_dataset(tf.data.Dataset.range(4), 2, 0, pad=True)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -31,6 +31,28 @@ class GradientOptions:
     compression: str | None = None
 
 
+@dataclass(frozen=True)
+class InputPlan:
+    """How one process reads the script's inputs: the backend's answer, as plain data.
+
+    `keras_dist.sharding` applies it once, the same way for every backend.
+
+    Args:
+        num_shards: into how many interleaved shards the inputs are split (one per
+            process that reads; 1: this process reads everything).
+        shard_index: this process's shard.
+        batch_multiplier: this process's batch is the script's batch times this (the
+            replicas one process feeds: a script's batch size is per replica).
+        collective_steps: every step is a collective, so evaluation and prediction
+            shards that differ in length must still end together on every process.
+    """
+
+    num_shards: int = 1
+    shard_index: int = 0
+    batch_multiplier: int = 1
+    collective_steps: bool = False
+
+
 class Backend(abc.ABC):
     """One way of running a Keras 3 model on several replicas.
 
@@ -46,8 +68,7 @@ class Backend(abc.ABC):
     # True when keras_dist must reduce gradients and metric states itself.
     reduces_in_keras_dist: bool = False
     # True when fetching each batch is itself a collective (every worker must take the
-    # same number of steps). Unpadded evaluation and prediction shards are then fed as
-    # datasets of unknown length, so a worker that runs out takes empty batches until all do.
+    # same number of steps); see `InputPlan.collective_steps`.
     steps_are_collective: bool = False
 
     @classmethod
@@ -97,13 +118,10 @@ class Backend(abc.ABC):
         return self.num_replicas // self.size
 
     @property
-    def input_shard_count(self) -> int:
-        """Into how many interleaved shards keras_dist splits the script's inputs."""
-        return self.size
-
-    @property
-    def input_shard_index(self) -> int:
-        return self.rank
+    def input_plan(self) -> InputPlan:
+        """How this process reads the script's inputs (default: one shard per process)."""
+        return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process,
+                         collective_steps=self.steps_are_collective)
 
     # --- model and optimizer --------------------------------------------------
     def scope(self):

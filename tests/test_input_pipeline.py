@@ -1,0 +1,141 @@
+"""tf.data pipelines under 2 Horovod ranks and 2 MultiWorkerMirrored workers: who preprocesses what.
+
+tests/workers/input_pipeline.py logs, per worker, the ids of the elements its pipeline's
+map ran on. Each worker must preprocess only its share, and together the workers must
+cover the input once (plus fewer than N padding elements when the length is odd).
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import WORKERS, horovodrun
+
+sys.path.insert(0, str(WORKERS))
+import runner  # noqa: E402
+
+from keras_dist import sharding  # noqa: E402
+from keras_dist.errors import KerasDistError  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+FILE_SIZES = [32, 32, 32, 32]  # equal files: file shards need no padding
+
+
+def write_records(directory, sizes):
+    """TFRecord files of the given sizes holding consecutive int64 ids."""
+    start = 0
+    for index, size in enumerate(sizes):
+        with tf.io.TFRecordWriter(os.path.join(directory, f"part-{index:02d}.tfrecord")) as writer:
+            for i in range(start, start + size):
+                writer.write(np.int64(i).tobytes())
+        start += size
+
+
+@pytest.fixture(scope="module", params=["horovod", "multi_worker_mirrored"])
+def workers(request, tmp_path_factory):
+    out, files = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("files")
+    write_records(files, FILE_SIZES)
+    argv = [WORKERS / "input_pipeline.py", out, files]
+    if request.param == "horovod":
+        code, output = horovodrun(2, argv, timeout=300)
+        assert code == 0, output[-4000:]
+    else:
+        runner.run_ok([argv, argv], runner.tf_config_envs(2), timeout=300)
+    results = []
+    for rank in range(2):
+        with open(out / f"input.{rank}.json") as f:
+            results.append(json.load(f))
+    return results
+
+
+def mapped(workers, case):
+    return [w[case]["mapped"] for w in workers]
+
+
+@pytest.mark.parametrize("case", ["elements", "seeded_shuffle", "unseeded_shuffle"])
+def test_each_worker_preprocesses_only_its_interleaved_share(workers, case):
+    rank0, rank1 = mapped(workers, case)
+    # 250 elements: 125 each, nothing left over, nothing preprocessed twice.
+    assert len(rank0) == len(rank1) == 125
+    assert sorted(rank0 + rank1) == list(range(250))
+    if case == "elements":
+        assert sorted(rank0) == list(range(0, 250, 2)) and sorted(rank1) == list(range(1, 250, 2))
+
+
+def test_seeded_shuffle_keeps_one_process_order_split_interleaved(workers):
+    order = [int(i) for i in tf.data.Dataset.range(250).shuffle(100, seed=4).as_numpy_iterator()]
+    rank0, rank1 = mapped(workers, "seeded_shuffle")
+    assert rank0 == order[0::2] and rank1 == order[1::2]
+
+
+@pytest.mark.parametrize("case", ["files", "listed_files"])
+def test_file_shards_read_every_file_exactly_once_per_epoch(workers, case):
+    rank0, rank1 = mapped(workers, case)
+    assert sorted(rank0 + rank1) == list(range(sum(FILE_SIZES)))
+    # Whole files per worker: file i goes to worker i mod 2.
+    file_of = np.repeat(np.arange(len(FILE_SIZES)), FILE_SIZES)
+    assert {int(file_of[i]) % 2 for i in rank0} == {0} and {int(file_of[i]) % 2 for i in rank1} == {1}
+
+
+def test_fewer_files_than_workers_split_elements_and_pad_once(workers):
+    rank0, rank1 = mapped(workers, "one_file")  # one file of 32: elements split, no padding needed
+    assert rank0 == list(range(0, 32, 2)) and rank1 == list(range(1, 32, 2))
+
+
+def test_unknown_length_is_counted_and_padded_with_fewer_than_n_elements(workers):
+    kept = [i for i in range(250) if i % 5 > 0]  # 200 kept: even split
+    rank0, rank1 = mapped(workers, "filtered")
+    assert rank0 == kept[0::2] and rank1 == kept[1::2]
+    assert workers[0]["filtered"]["loss"] == workers[1]["filtered"]["loss"]
+
+
+def test_bad_inputs_get_one_line_errors(workers):
+    for errors in (w["bad_inputs"] for w in workers):
+        assert "pass steps_per_epoch to fit" in errors["infinite"]
+        assert "call .batch(batch_size)" in errors["unbatched"]
+        assert "non-empty" in errors["empty_arrays"]
+        assert all("\n" not in message for message in errors.values())
+
+
+# --- the split itself, in one process ------------------------------------------------------
+
+
+def shards(dataset, count, pad, **options):
+    return [[b.tolist() for b in sharding.shard_dataset(dataset, count, r, pad, **options).as_numpy_iterator()]
+            for r in range(count)]
+
+
+def test_odd_lengths_pad_fewer_than_n_elements_from_the_start():
+    dataset = tf.data.Dataset.range(11).map(lambda i: i * 10).batch(4)
+    assert shards(dataset, 3, pad=False) == [[[0, 30, 60, 90]], [[10, 40, 70, 100]], [[20, 50, 80]]]
+    assert shards(dataset, 3, pad=True) == [[[0, 30, 60, 90]], [[10, 40, 70, 100]], [[20, 50, 80, 0]]]
+    assert sharding.shard_dataset(dataset, 3, 0, pad=True).cardinality() == 1  # Keras sizes its progress bar
+
+
+def test_the_batch_grows_for_processes_that_feed_several_replicas():
+    dataset = tf.data.Dataset.range(16).batch(2)
+    assert shards(dataset, 2, pad=False, batch_multiplier=2)[1] == [[1, 3, 5, 7], [9, 11, 13, 15]]
+
+
+def test_prediction_never_shards_files_so_outputs_keep_input_order(tmp_path):
+    write_records(tmp_path, [3, 3])
+    dataset = tf.data.TFRecordDataset(sorted(map(str, tmp_path.iterdir()))).map(
+        lambda r: tf.io.decode_raw(r, tf.int64)[0]).batch(2)
+    assert shards(dataset, 2, pad=False, files=False) == [[[0, 2], [4]], [[1, 3], [5]]]
+    assert shards(dataset, 2, pad=False) == [[[0, 1], [2]], [[3, 4], [5]]]
+
+
+def test_a_pipeline_that_batches_inside_a_function_falls_back_with_a_warning():
+    dataset = tf.data.Dataset.range(8).window(2).flat_map(lambda w: w.batch(2))
+    with pytest.warns(UserWarning, match="cannot shard this tf.data pipeline at its source"):
+        assert shards(dataset, 2, pad=True) == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+
+
+def test_unbatched_datasets_are_a_one_line_error():
+    for dataset in (tf.data.Dataset.range(4), tf.data.Dataset.from_tensor_slices(np.zeros((4, 8, 8, 3)))):
+        with pytest.raises(KerasDistError, match=r"call \.batch\(batch_size\)"):
+            sharding.shard_dataset(dataset, 2, 0, pad=True)
