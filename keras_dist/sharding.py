@@ -211,22 +211,27 @@ class Pipeline:
         """Makes every process produce the elements before `split` in one order.
 
         Otherwise the interleaved split would give some elements to two shards and others
-        to none. Parallel steps become deterministic; unseeded shuffles keep their buffer
-        and reshuffling but get the chief's random seed, so runs still differ.
+        to none. Parallel steps become deterministic, and every shuffle takes the chief's
+        seeds: its own where it has them (the same order as one process), else random
+        ones, so that runs still differ. A per-worker seed (`tf.random.set_seed(rank)`)
+        therefore reorders nothing before the split.
         """
         before = self.chain[:self.chain.index(split) + 1]
         for node in before:
             if "deterministic" in node.attr:
                 node.attr["deterministic"].s = b"true"
-        shuffles = [node for node in before if node.op in _SHUFFLE_OPS and _commutes_with_split(node, self._constant)]
+        shuffles = [node for node in before if node.op in _SHUFFLE_OPS]
         if not shuffles:
             return
-        seed = int(np.random.default_rng().integers(1, 2**31))
-        seed = allgather(seed)[0] if allgather else seed
-        for node in shuffles:
-            # ShuffleDataset takes its seeds as given; V3's seed generator was made random.
+        random = [int(seed) for seed in np.random.default_rng().integers(1, 2**31, 2)]
+        own = [[int(self._constant(node, i) or 0) for i in (2, 3)] for node in shuffles]
+        proposed = [seeds if any(seeds) else random for seeds in own]
+        agreed = allgather(proposed)[0] if allgather else proposed
+        for node, (seed, seed2) in zip(shuffles, agreed):
+            # ShuffleDataset takes its seeds as given and reshuffles each epoch as V3 does
+            # with the same seeds; V3's seed generator was made from this process's seeds.
             node.op = "ShuffleDataset"
-            node.input[:] = [node.input[0], node.input[1], self._const(seed), self._const(seed)]
+            node.input[:] = [node.input[0], node.input[1], self._const(seed), self._const(seed2)]
 
     def _element_split_point(self):
         """The last node before the run of element-wise ops that leads to the first batch."""

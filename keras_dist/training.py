@@ -4,8 +4,11 @@
 patched). Each wrapper splits the inputs, adjusts callbacks and verbosity for this
 worker, then calls Keras's own method, so every Keras argument keeps its meaning.
 Where the backend reduces in keras_dist (Horovod), `get_metrics_result` is wrapped too:
-Keras calls it inside the train step and at the end of every epoch and evaluation, so
+Keras calls it at the end of every epoch and evaluation, and inside the train step, so
 summing metric states across processes there makes every log global, on every worker.
+Inside the train step it costs a collective per step, so it is done only where a
+callback reads per-batch logs; otherwise batch logs (the progress bar's running values)
+are this worker's own and epoch logs global.
 """
 
 import contextlib
@@ -15,6 +18,7 @@ import warnings
 import tensorflow as tf
 
 from keras_dist import runtime, sharding
+from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
 from keras_dist.errors import KerasDistError
@@ -35,6 +39,8 @@ class DistributedTraining:
         self.in_fit = False
         self.in_evaluate = False
         self.synced = False
+        # Whether the train function (traced once) sums metric states in every step.
+        self.global_batch_logs = True
 
     # --- inputs ---------------------------------------------------------------
     @property
@@ -105,6 +111,8 @@ class DistributedTraining:
 
     def fit(self, *args, **kwargs):
         arguments = self._worker_args(self.keras_fit, args, kwargs)
+        if self.backend.reduces_in_keras_dist:
+            self._choose_batch_logs(arguments["callbacks"])
         self._split_validation(arguments)
         self._split(arguments, pad=True, steps_key="steps_per_epoch", purpose="fit")
         if self.backend.size > 1:
@@ -134,13 +142,23 @@ class DistributedTraining:
             return outputs
         return sharding.gather_interleaved(self.backend, outputs, self.num_shards)
 
+    def _choose_batch_logs(self, callbacks):
+        """Sums metric states in every train step only if some worker's callback reads batch logs."""
+        local = any(reads_batch_logs(c, TRAIN_BATCH_HOOKS) for c in callbacks)
+        # Agreed by all: a step's collectives must match on every worker.
+        needed = any(self.backend.allgather_object(local)) if self.backend.size > 1 else local
+        if needed != self.global_batch_logs:
+            self.global_batch_logs = needed
+            self.model.train_function = None  # traced again with the other choice
+
     def get_metrics_result(self):
         """Model metrics computed from their states summed over every process.
 
         Inside the compiled test step it stays local: evaluation shards may differ by one
-        batch across processes, so only the final, eager call reduces.
+        batch across processes, so only the final, eager call reduces. Inside the train
+        step it stays local unless a callback reads batch logs (`_choose_batch_logs`).
         """
-        if self.in_evaluate and tf.inside_function():
+        if tf.inside_function() and (self.in_evaluate or (self.in_fit and not self.global_batch_logs)):
             return self.keras_get_metrics_result()
         metrics = self.model.metrics
         states = [v.value for m in metrics for v in m.variables]

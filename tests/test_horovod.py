@@ -14,11 +14,11 @@ import pytest
 from conftest import PYTHON, WORKERS, horovodrun, load_results, run
 
 SCENARIOS = [
-    "sgd_arrays", "sgd_dataset", "sgd_plain", "sum_reduction", "fp16_compression", "adam_schedule",
+    "sgd_arrays", "sgd_dataset", "dataset_map_shuffled", "sgd_plain", "sum_reduction", "fp16_compression", "adam_schedule",
     "user_optimizer", "global_clipnorm", "gradient_accumulation", "loss_scale", "uneven_shards",
-    "evaluate_predict", "learning_rate_scaling",
+    "evaluate_predict", "learning_rate_scaling", "batch_logs",
 ]
-EQUIVALENT = ["sgd_arrays", "sgd_dataset", "sgd_plain", "adam_schedule", "user_optimizer", "global_clipnorm",
+EQUIVALENT = ["sgd_arrays", "sgd_dataset", "dataset_map_shuffled", "sgd_plain", "adam_schedule", "user_optimizer", "global_clipnorm",
               "gradient_accumulation", "loss_scale"]
 
 
@@ -68,6 +68,21 @@ def test_epoch_logs_are_global_and_identical_on_every_rank(runs):
     assert set(rank0["history"]) == {"loss", "accuracy", "val_loss", "val_accuracy"}
     for key, values in single["history"].items():
         np.testing.assert_allclose(rank0["history"][key], values, atol=1e-5)
+
+
+def test_epoch_logs_are_global_without_a_batch_log_reader(runs):
+    (rank0, rank1), single = runs("dataset_map_shuffled")  # no callback: steps keep metric states local
+    assert rank0["history"] == rank1["history"]
+    for key, values in single["history"].items():
+        np.testing.assert_allclose(rank0["history"][key], values, atol=1e-5)
+
+
+def test_batch_logs_are_global_where_a_callback_reads_them(runs):
+    # The model was fit once before without a reader: its train function is traced again.
+    (rank0, rank1), single = runs("batch_logs")
+    assert len(rank0["batch_losses"]) == 256 // 32
+    assert rank0["batch_losses"] == rank1["batch_losses"]
+    np.testing.assert_allclose(rank0["batch_losses"], single["batch_losses"], atol=1e-5)
 
 
 def test_uneven_shards_run_the_same_number_of_steps(runs):

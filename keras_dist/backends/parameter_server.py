@@ -24,6 +24,7 @@ import tensorflow as tf
 from keras_dist import keras_workarounds
 from keras_dist.backends.base import Backend, GradientOptions
 from keras_dist.backends.tf_strategy import adopt_optimizer, move_variables
+from keras_dist.callbacks.batch_logs import reads_batch_logs
 from keras_dist.errors import KerasDistError
 from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
 
@@ -494,17 +495,6 @@ def _known_length(dataset):
     return count if count >= 0 else None
 
 
-def _epoch_level(callback):
-    """Whether a Keras callback with batch hooks leaves them idle in its configuration."""
-    if isinstance(callback, (keras.callbacks.ProgbarLogger, keras.callbacks.History)):
-        return True
-    if isinstance(callback, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)):
-        return getattr(callback, "save_freq", "epoch") in ("epoch", False)
-    if isinstance(callback, keras.callbacks.TensorBoard):
-        return callback.update_freq == "epoch"  # Keras 3 has no batch profiling
-    return False
-
-
 def refuse_batch_log_readers(callbacks):
     """One-line error for a callback that needs per-batch logs, which exist only per epoch.
 
@@ -515,12 +505,8 @@ def refuse_batch_log_readers(callbacks):
     Args:
         callbacks: a `keras.callbacks.CallbackList`.
     """
-    from keras.src.utils.python_utils import is_default
-
     for callback in callbacks.callbacks:
-        reads_logs = any(not is_default(getattr(callback, hook)) for hook in
-                         ("on_batch_end", "on_train_batch_end", "on_test_batch_end", "on_predict_batch_end"))
-        if reads_logs and not _epoch_level(callback):
+        if reads_batch_logs(callback):
             raise KerasDistError(
                 f"{type(callback).__name__} reads per-batch logs, which backend 'parameter_server' has only at the end "
                 "of each epoch (steps run asynchronously); use epoch-level hooks or save_freq/update_freq='epoch'"

@@ -88,6 +88,36 @@ def scenario_sgd_dataset():
     return {"weights": m.get_weights(), "history": history.history}
 
 
+def scenario_dataset_map_shuffled():
+    # A user's pipeline: slices, a seeded shuffle, per-element work, batch, prefetch.
+    x, y = data(256)
+    dataset = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=7)
+               .map(lambda a, b: (tf.tanh(a) * 2.0, b), num_parallel_calls=tf.data.AUTOTUNE)
+               .batch(BATCH).prefetch(tf.data.AUTOTUNE))
+    m = compiled(keras.optimizers.SGD(0.1))
+    history = m.fit(dataset, epochs=2, verbose=0)
+    return {"weights": m.get_weights(), "history": history.history}
+
+
+class BatchLosses(keras.callbacks.Callback):
+    """Reads per-batch logs, so every train step must make them global."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(logs["loss"])
+
+
+def scenario_batch_logs():
+    x, y = data(256)
+    m, reader = compiled(keras.optimizers.SGD(0.1)), BatchLosses()
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # no reader: logs global per epoch only
+    history = m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[reader])
+    return {"batch_losses": reader.losses, "history": history.history}
+
+
 def scenario_sum_reduction():
     x, y = data(250)
     # Summing N rank-mean gradients at lr/N is the mean at lr: same as sgd_plain.

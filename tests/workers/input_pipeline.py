@@ -57,6 +57,14 @@ def fit(dataset):
     return {"mapped": list(mapped), "loss": history.history["loss"]}
 
 
+def rank_seeded(make_dataset):
+    """A dataset made under a per-worker global seed, as some Horovod scripts seed."""
+    tf.random.set_seed(ctx.rank)
+    dataset = make_dataset()
+    tf.random.set_seed(None)
+    return dataset
+
+
 def error_of(call):
     try:
         call()
@@ -82,6 +90,7 @@ if __name__ == "__main__":
                         .batch(8).prefetch(tf.data.AUTOTUNE)),
         "seeded_shuffle": fit(tf.data.Dataset.range(250).shuffle(100, seed=4).map(features).batch(8)),
         "unseeded_shuffle": fit(tf.data.Dataset.range(250).shuffle(100).map(features).batch(8)),
+        "rank_seeded_shuffle": fit(rank_seeded(lambda: tf.data.Dataset.range(250).shuffle(100).map(features).batch(8))),
         "files": fit(tf.data.TFRecordDataset(files).map(parse).map(features).batch(8)),
         "listed_files": fit(tf.data.Dataset.list_files(os.path.join(files_dir, "*.tfrecord"))
                             .interleave(tf.data.TFRecordDataset, num_parallel_calls=2).map(parse).map(features)
@@ -89,6 +98,8 @@ if __name__ == "__main__":
         "one_file": fit(tf.data.TFRecordDataset(files[0]).map(parse).map(features).batch(8)),
         "filtered": fit(tf.data.Dataset.range(250).filter(lambda i: i % 5 > 0).map(features).batch(8)),
         "bad_inputs": bad_inputs(),
+        # One process's order of the seeded shuffle above (it depends on the global seed).
+        "one_process_order": [int(i) for i in tf.data.Dataset.range(250).shuffle(100, seed=4).as_numpy_iterator()],
     }
     with open(os.path.join(out_dir, f"input.{ctx.rank}.json"), "w") as f:
         json.dump(results, f)
