@@ -1,67 +1,199 @@
-"""One timed training run for bench/run.py; prints one JSON line with samples/s.
+"""One measured run for bench/run.py; every process prints one `BENCH {json}` line.
 
-    python worker.py MODE MODEL EPOCHS STEPS
+    python worker.py MODE MODEL --window SECONDS --windows K [--sync DIR] [--data DIR]
 
-MODE: plain (Keras fit), keras_dist (keras_dist.compile + fit, on the backend the
-launcher implies), handwritten (a tf.function step with Horovod's grouped_allreduce on the
-gradients), handwritten_mwms (a tf.function step run by MultiWorkerMirroredStrategy, whose
-Keras optimizer all-reduces the gradients). With several processes each reports; run.py
-sums samples/s over them. Epoch 0 is warm-up (tracing).
+MODE:
+  plain             Keras `fit`
+  keras_dist        the two-line change (`import keras_dist`, `keras_dist.compile`), the
+                    same `fit`, on the backend the launcher implies
+  handwritten       a tf.function step with Horovod's grouped_allreduce on the gradients;
+                    each rank feeds its own shard (tf.data: its files, files[rank::size])
+  handwritten_mwms  a tf.function step run by MultiWorkerMirroredStrategy, whose Keras
+                    optimizer all-reduces the gradients; each worker feeds its own shard
+  input_plain       no model: iterates the tf.data pipeline, the whole of it
+  input_keras_dist  no model: iterates `keras_dist.distribute_dataset(pipeline,
+                    training=True)`, this worker's share as `fit` consumes it
+MODEL: cnn, mlp, emb (NumPy arrays, STEPS batches per process and epoch, unshuffled) or
+jpeg_small, jpeg_cnn (the tf.data pipeline of tfdata.py over the files in --data, built
+unsharded; `fit` runs whole epochs of it). The input modes ignore MODEL.
+
+Measuring: epoch 0 is warm-up (tracing, thread pools). From its end, whole epochs
+accumulate into a window until it lasts --window seconds; each window reports its
+samples, epochs, wall seconds and this process's CPU seconds (`time.process_time`, all
+its threads). The run ends after --windows windows. Processes that train together close
+their windows at the same epoch, so that `fit` stops at the same epoch everywhere: rank 0
+decides and leaves its decision as a file in --sync, the others wait for it (no
+collective is added to the measured work). The input modes need no agreement.
+
+Samples per epoch of a training process are its share: STEPS x batch for arrays,
+tfdata.EXAMPLES / processes for tf.data (whole batches either way). They are not read
+from the optimizer's step counter: Keras counts one step too many per epoch on a dataset
+of unknown length (the step that finds the input exhausted). The input modes count the
+elements they actually iterate.
 """
 
+import argparse
 import json
-import sys
+import os
 import time
 
 import numpy as np
 
-mode, model_name, epochs, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-if mode == "keras_dist":
+parser = argparse.ArgumentParser()
+parser.add_argument("mode", choices=["plain", "keras_dist", "handwritten", "handwritten_mwms", "input_plain",
+                                     "input_keras_dist"])
+parser.add_argument("model")
+parser.add_argument("--window", type=float, required=True, help="seconds a window lasts at least")
+parser.add_argument("--windows", type=int, required=True, help="windows to measure")
+parser.add_argument("--sync", help="directory where rank 0 leaves its window decisions")
+parser.add_argument("--data", help="directory of the TFRecord files (tf.data models)")
+args = parser.parse_args()
+mode = args.mode
+
+if mode in ("keras_dist", "input_keras_dist"):
     import keras_dist
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import tfdata  # noqa: E402  (beside this file)
+
 if mode == "handwritten_mwms":  # collective ops must be configured before any TF op runs
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
+
+def cnn_layers():
+    return [keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(), keras.layers.Dense(172, activation="relu"), keras.layers.Dense(10)]
+
+
+EMBEDDING_ROWS = 100000
 MODELS = {
-    # name: (input shape, per-replica batch, layers)
-    "cnn": ((32, 32, 3), 64, lambda: [
-        keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(), keras.layers.Dense(172, activation="relu"), keras.layers.Dense(10)]),
+    # name: (input shape, per-replica batch, layers, batches per process and epoch; None: the tf.data pipeline)
+    "cnn": ((32, 32, 3), 64, cnn_layers, 20),
     "mlp": ((784,), 128, lambda: [
-        keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)]),
+        keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)],
+        60),
     # A 12.8 MB table (100000 x 32 floats) looked up by 4 ids per example: parameter-server territory.
     "emb": ((4,), 128, lambda: [
-        keras.layers.Embedding(EMBEDDING_ROWS, 32), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10)]),
+        keras.layers.Embedding(EMBEDDING_ROWS, 32), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10)],
+        100),
+    # Input-bound: one small convolution, then pooling; decoding the JPEGs dominates.
+    "jpeg_small": ((tfdata.CROP, tfdata.CROP, 3), tfdata.BATCH, lambda: [
+        keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)],
+        None),
+    # Compute-bound: the same input feeding the CNN.
+    "jpeg_cnn": ((tfdata.CROP, tfdata.CROP, 3), tfdata.BATCH, cnn_layers, None),
 }
-EMBEDDING_ROWS = 100000
-shape, batch, layers = MODELS[model_name]
+
+
+class Windows:
+    """Cuts this process's epochs into measured windows (see the module docstring)."""
+
+    def __init__(self, rank, sync_dir):
+        self.rank, self.sync_dir = rank, sync_dir
+        self.epoch, self.windows = 0, []
+
+    def epoch_end(self, samples):
+        """Accounts one finished epoch of `samples`; returns True when the run is over."""
+        self.epoch += 1
+        if self.epoch == 1:  # warm-up
+            self._open()
+            return False
+        self.samples += samples
+        self.epochs += 1
+        now, cpu = time.perf_counter(), time.process_time()
+        if self._agree(now - self.start >= args.window):
+            self.windows.append({"samples": self.samples, "epochs": self.epochs, "seconds": now - self.start,
+                                 "cpu_s": cpu - self.cpu})
+            self._open()
+        return len(self.windows) == args.windows
+
+    def _open(self):
+        self.start, self.cpu, self.samples, self.epochs = time.perf_counter(), time.process_time(), 0, 0
+
+    def _agree(self, close):
+        if self.sync_dir is None:
+            return close
+        path = os.path.join(self.sync_dir, f"epoch-{self.epoch}")
+        if self.rank == 0:
+            with open(path + ".tmp", "w") as f:
+                f.write("1" if close else "0")
+            os.replace(path + ".tmp", path)
+            return close
+        deadline, delay = time.monotonic() + 600, 0.001
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"rank {self.rank}: rank 0 did not finish epoch {self.epoch} within 600 s")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+        with open(path) as f:
+            return f.read() == "1"
+
+
+def report(rank, size, params, windows):
+    print("BENCH " + json.dumps({"rank": rank, "size": size, "params": params, "windows": windows.windows}), flush=True)
+
+
+if mode.startswith("input_"):
+    dataset = tfdata.pipeline(args.data)
+    rank, size = 0, 1
+    if mode == "input_keras_dist":
+        ctx = keras_dist.init()
+        rank, size = ctx.rank, ctx.size
+        dataset = keras_dist.distribute_dataset(dataset, training=True)
+    windows = Windows(rank, None)
+    done = False
+    while not done:
+        samples = 0
+        for x, _ in dataset:
+            samples += int(x.shape[0])
+        done = windows.epoch_end(samples)
+    report(rank, size, 0, windows)
+    raise SystemExit(0)
+
+shape, batch, layers, steps = MODELS[args.model]
+tf_data = steps is None
 
 
 def build():
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input(shape, dtype="int32" if model_name == "emb" else "float32"), *layers()])
+    return keras.Sequential([keras.Input(shape, dtype="int32" if args.model == "emb" else "float32"), *layers()])
 
 
-def data(count):
+def arrays(count):
     rng = np.random.default_rng(0)
-    x = rng.integers(0, EMBEDDING_ROWS, (count, *shape)).astype("int32") if model_name == "emb" else \
+    x = rng.integers(0, EMBEDDING_ROWS, (count, *shape)).astype("int32") if args.model == "emb" else \
         rng.random((count, *shape), dtype=np.float32)
     return x, rng.integers(0, 10, count).astype("int32")
 
 
+def local_dataset(rank, size):
+    """This process's own shard, for the hand-written loops."""
+    if tf_data:
+        return tfdata.pipeline(args.data, shard=(size, rank))
+    x, y = arrays(steps * batch * size)
+    return tf.data.Dataset.from_tensor_slices((x[rank::size], y[rank::size])).batch(batch).prefetch(2)
+
+
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-epoch_seconds = []
 
 
-class EpochTimer(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
+def samples_per_epoch(size):
+    """What one of `size` processes trains on per epoch."""
+    return tfdata.EXAMPLES // size if tf_data else steps * batch
+
+
+class Measure(keras.callbacks.Callback):
+    """Epoch hooks only: a batch hook would make Keras (and keras_dist) produce batch logs."""
+
+    def __init__(self, windows, samples):
+        super().__init__()
+        self.windows, self.samples = windows, samples
 
     def on_epoch_end(self, epoch, logs=None):
-        epoch_seconds.append(time.perf_counter() - self.start)
+        if self.windows.epoch_end(self.samples):
+            self.model.stop_training = True
 
 
 if mode in ("plain", "keras_dist"):
@@ -70,21 +202,23 @@ if mode in ("plain", "keras_dist"):
         rank, size = 0, 1
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss_fn)
     else:
-        ctx = keras_dist.init()
-        rank, size = ctx.rank, ctx.size
         keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.01), loss=loss_fn)
-    x, y = data(steps * batch * size)
-    model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=[EpochTimer()])
+        rank, size = keras_dist.current().rank, keras_dist.current().size
+    windows = Windows(rank, args.sync)
+    fit_args = dict(epochs=100000, verbose=0, callbacks=[Measure(windows, samples_per_epoch(size))])
+    if tf_data:
+        model.fit(tfdata.pipeline(args.data), **fit_args)
+    else:
+        x, y = arrays(steps * batch * size)
+        model.fit(x, y, batch_size=batch, shuffle=False, **fit_args)
 elif mode == "handwritten_mwms":
     rank, size = strategy.cluster_resolver.task_id, strategy.cluster_resolver.cluster_spec().num_tasks("worker")
     with strategy.scope():
         model = build()
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
-    x, y = data(steps * batch * size)
-    # Each worker feeds its interleaved shard, whole batches per replica, as keras_dist does.
-    dataset = strategy.distribute_datasets_from_function(
-        lambda _: tf.data.Dataset.from_tensor_slices((x[rank::size], y[rank::size])).batch(batch).prefetch(2))
+    local_steps = samples_per_epoch(size) // batch
+    dataset = strategy.distribute_datasets_from_function(lambda _: local_dataset(rank, size))
 
     @tf.function
     def train_step(iterator):
@@ -97,13 +231,14 @@ elif mode == "handwritten_mwms":
         # Like the logs of a Keras step, the loss is reduced over replicas every step.
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(step, args=next(iterator)), axis=None)
 
-    for _ in range(epochs):
-        start = time.perf_counter()
+    windows = Windows(rank, args.sync)
+    done = False
+    while not done:
         iterator = iter(dataset)
-        for _ in range(steps):
+        for _ in range(local_steps):
             loss = train_step(iterator)
         float(loss)  # wait for the last step
-        epoch_seconds.append(time.perf_counter() - start)
+        done = windows.epoch_end(samples_per_epoch(size))
 else:
     import horovod.tensorflow as hvd
 
@@ -114,8 +249,7 @@ else:
     optimizer.build(model.trainable_variables)
     for i, v in enumerate(model.weights):
         v.assign(hvd.broadcast(v.value, root_rank=0, name=f"bcast{i}"))
-    x, y = data(steps * batch * size)
-    dataset = tf.data.Dataset.from_tensor_slices((x[rank::size], y[rank::size])).batch(batch).prefetch(2)
+    dataset = local_dataset(rank, size)
 
     @tf.function
     def train_step(xb, yb):
@@ -125,13 +259,12 @@ else:
         optimizer.apply(grads, model.trainable_variables)
         return loss
 
-    for _ in range(epochs):
-        start = time.perf_counter()
+    windows = Windows(rank, args.sync)
+    done = False
+    while not done:
         for xb, yb in dataset:
             loss = train_step(xb, yb)
         float(loss)  # wait for the last step
-        epoch_seconds.append(time.perf_counter() - start)
+        done = windows.epoch_end(samples_per_epoch(size))
 
-timed = epoch_seconds[1:]
-print("BENCH " + json.dumps({"rank": rank, "size": size, "params": model.count_params(),
-                             "samples_per_s": [steps * batch / s for s in timed]}), flush=True)
+report(rank, size, model.count_params(), windows)
