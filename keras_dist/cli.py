@@ -16,6 +16,8 @@ def _launch(args):
         raise KerasDistError(f"--ps must be 0 or more, got {args.ps}")
     if not os.path.isfile(args.script):
         raise KerasDistError(f"script {args.script!r} not found; give the path of a Python file")
+    if os.environ.get(backends.ENV_VAR):
+        backends.backend_class(os.environ[backends.ENV_VAR])  # a bad name stops here, in one line
     from keras_dist import launcher
 
     tasks = backends.backend_class(args.backend).local_tasks(args.num_workers, args.ps, [args.script, *args.script_args])

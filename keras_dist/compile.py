@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_dist import runtime, training
+from keras_dist import optimizer_hooks, overrides, runtime, training
 from keras_dist.backends.base import GradientOptions
 from keras_dist.errors import KerasDistError
 
@@ -50,13 +50,19 @@ def compile(
     if gradient_compression not in (None, "fp16"):
         raise KerasDistError(f"gradient_compression must be None or 'fp16', got {gradient_compression!r}")
     backend = runtime.current()
+    overrides.restore(model)  # compiled before: start again from Keras's own methods
     backend.prepare_model(model)
     kwargs = {**backend.compile_defaults(), **kwargs}
     with backend.scope():
         model.compile(*args, **kwargs)
+    for optimizer in optimizer_hooks.optimizers_of(model):
+        for part in (optimizer, getattr(optimizer, "inner_optimizer", None)):  # a LossScaleOptimizer's too
+            if part is not None:
+                overrides.restore(part)
         if scale_learning_rate:
-            _scale_learning_rate(model.optimizer, backend.num_replicas)
-    backend.distribute_optimizer(model.optimizer, GradientOptions(gradient_reduction, gradient_compression))
+            with backend.scope():
+                _scale_learning_rate(optimizer, backend.num_replicas)
+        backend.distribute_optimizer(optimizer, GradientOptions(gradient_reduction, gradient_compression))
     training.attach(model, backend)
 
 

@@ -11,6 +11,8 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
+from keras_dist.overrides import override
+
 
 def apply(model, strategy):
     """Installs every workaround `strategy` needs on `model` (idempotent).
@@ -55,7 +57,7 @@ def build_from_local_batch(model, strategy):
         with strategy.scope():
             model._symbolic_build(data_batch=data_batch)
 
-    object.__setattr__(model, "_maybe_symbolic_build", _maybe_symbolic_build)
+    override(model, "_maybe_symbolic_build", _maybe_symbolic_build)
 
 
 def step_functions(model, strategy):
@@ -65,7 +67,9 @@ def step_functions(model, strategy):
        Keras reduces the logs with `strategy.reduce("MEAN", value, axis=0)`; under
        MultiWorkerMirroredStrategy the logs are scalars and the step fails with
        `Invalid reduction dimension 0 for input with 0 dimensions`. Scalars are
-       averaged over replicas here (`axis=None`), other values as Keras does.
+       averaged over replicas here (`axis=None`), other values as Keras does; a log
+       that is a variable (a metric whose `result()` is its state) is read on each
+       replica first, as a mirrored variable cannot be reduced.
     2. Upstream: keras-team/keras#19246. For `steps_per_execution > 1` Keras runs each
        step inside `tf.cond(has_next_batch, ...)`; under MirroredStrategy the step's
        cross-replica `merge_call` (the optimizer update) cannot sit in a conditional
@@ -95,9 +99,14 @@ def step_functions(model, strategy):
         if model.run_eagerly:
             return keras_make_function(step_function)
 
+        def replica_step(data):
+            # A metric's `result()` may be its state variable, which strategy.run returns
+            # as one mirrored value that cannot be reduced: read it on each replica instead.
+            return tree.map_structure(_read_variable, step_function(data))
+
         @tf.function(reduce_retracing=True, jit_compile=model.jit_compile)
         def one_step(data):
-            return reduce_logs(strategy.run(step_function, args=(data,)))
+            return reduce_logs(strategy.run(replica_step, args=(data,)))
 
         @tf.function(reduce_retracing=True)
         def steps(iterator):
@@ -121,7 +130,11 @@ def step_functions(model, strategy):
 
         return steps
 
-    object.__setattr__(model, "_make_function", _make_function)
+    override(model, "_make_function", _make_function)
+
+
+def _read_variable(value):
+    return tf.convert_to_tensor(value) if isinstance(value, (tf.Variable, keras.Variable)) else value
 
 
 def metric_increments_added_once(model):
@@ -146,10 +159,10 @@ def metric_increments_added_once(model):
     def _make_function(step_function):
         for variable in model.metrics_variables:
             for name in ("assign_add", "assign_sub"):
-                object.__setattr__(variable, name, _tf_update(variable, name))
+                override(variable, name, _tf_update(variable, name))
         return make_function(step_function)
 
-    object.__setattr__(model, "_make_function", _make_function)
+    override(model, "_make_function", _make_function)
 
 
 def _tf_update(variable, name):
@@ -189,7 +202,7 @@ def layer_state_aggregated(model, strategy):
                     variable._initialize(value)
         return make_function(step_function)
 
-    object.__setattr__(model, "_make_function", _make_function)
+    override(model, "_make_function", _make_function)
 
 
 # --- keras-team/keras#18624: variables a partitioner split over parameter servers ------
@@ -235,8 +248,8 @@ def sharded_variable_updates(optimizer):
         for gradient, variable in sharded:
             optimizer.update_step(gradient, variable, learning_rate)
 
-    object.__setattr__(optimizer, "add_variable_from_reference", add_variable_from_reference)
-    object.__setattr__(optimizer, "_distributed_tf_update_step", _distributed_tf_update_step)
+    override(optimizer, "add_variable_from_reference", add_variable_from_reference)
+    override(optimizer, "_distributed_tf_update_step", _distributed_tf_update_step)
 
 
 def train_step_over_shards(model):
@@ -313,7 +326,7 @@ def sharded_embedding_lookups(model):
         # each step function (train, test, predict) asks again.
         if type(layer).call is keras.layers.Embedding.call and "call" not in vars(layer) \
                 and is_sharded(layer._embeddings) and not layer.lora_enabled and not layer.quantization_mode:
-            object.__setattr__(layer, "call", _lookup_by_shard(layer))
+            override(layer, "call", _lookup_by_shard(layer))
 
 
 def _lookup_by_shard(layer):

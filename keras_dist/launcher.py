@@ -2,7 +2,13 @@
 
 Backends describe their tasks (`Backend.local_tasks`); this module only starts them,
 prefixes every output line with its task's name, and stops everything when one task
-fails or the user presses Ctrl-C. The exit code is the first failing task's.
+fails, or the launcher gets Ctrl-C or SIGTERM. The exit code is the first failing
+task's, 128 + the signal for a task killed by one (as a shell reports it).
+
+Tasks never outlive the launcher, even a SIGKILLed one: each direct child gets a
+parent-death signal, and every process of the job (horovodrun's workers too) finds the
+launcher's pid in `KERAS_DIST_LAUNCHER_PID` and ends itself once it is gone
+(`watch_launcher`, started by `import keras_dist`).
 """
 
 import os
@@ -61,14 +67,16 @@ def run_tasks(tasks, out=None, poll_seconds=0.2):
     """Starts `tasks`, waits for all of them, returns the first failing exit code (or 0)."""
     out = out or sys.stdout
     procs, pumps = [], []
+    previous_handler = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
         for task in tasks:
             proc = subprocess.Popen(
                 task.argv,
-                env={**os.environ, **task.env},
+                env={**os.environ, **task.env, LAUNCHER_PID: str(os.getpid())},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: we can kill its children
+                preexec_fn=_terminate_with_parent,
             )
             procs.append((task, proc))
             prefix = f"[{task.name}] " if task.prefix_output else ""
@@ -81,22 +89,91 @@ def run_tasks(tasks, out=None, poll_seconds=0.2):
             for (task, _), code in zip(procs, codes):
                 if task.serves and code is not None and task.name not in reported:
                     reported.add(task.name)
-                    out.write(f"[keras-dist] server {task.name} exited with {code}; the job goes on without it\n")
+                    out.write(f"[keras-dist] server {task.name} exited with {exit_code(code)}; "
+                              "the chief decides whether the job can go on\n")
             failed = [(task, code) for (task, _), code in zip(procs, codes) if code not in (None, 0) and not task.serves]
             if failed:
                 task, code = failed[0]
-                out.write(f"[keras-dist] task {task.name} exited with {code}; stopping the others\n")
-                return code
+                out.write(f"[keras-dist] task {task.name} exited with {exit_code(code)}; stopping the others\n")
+                return exit_code(code)
             if all(code == 0 for (task, _), code in zip(procs, codes) if not task.serves):
                 return 0
             time.sleep(poll_seconds)
-    except KeyboardInterrupt:
-        out.write("[keras-dist] interrupted; stopping every task\n")
-        return 130
+    except KeyboardInterrupt as interrupt:
+        sig = interrupt.args[0] if interrupt.args else signal.SIGINT
+        out.write(f"[keras-dist] {signal.Signals(sig).name}; stopping every task\n")
+        return 128 + sig
     finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
         _stop(procs)
         for pump in pumps:
             pump.join(timeout=5)
+
+
+def exit_code(returncode):
+    """A `Popen.returncode` as a shell reports it: 128 + N for a process killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signum)  # SIGTERM stops the job as Ctrl-C does
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with_parent():
+    """In the child, before exec: SIGTERM it when the launcher dies (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
+
+
+def watch_launcher(environ, poll_seconds=1.0):
+    """Ends this process once the launcher that started its job is gone.
+
+    Called at `import keras_dist` in every task: a task started by a task (horovodrun's
+    workers) gets no parent-death signal from the launcher, so it checks the launcher's
+    pid itself, on a daemon thread, and exits with 128 + SIGHUP like a hung-up session.
+    """
+    launcher = int(environ.get(LAUNCHER_PID, 0) or 0)
+    if not launcher:
+        return
+
+    def watch():
+        while True:
+            time.sleep(poll_seconds)
+            if _ended(launcher):
+                try:
+                    sys.stderr.write("keras_dist: the launcher is gone; this task stops\n")
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass  # stderr was the launcher's pipe
+                os._exit(128 + signal.SIGHUP)
+
+    threading.Thread(target=watch, name="keras_dist-launcher-watch", daemon=True).start()
+
+
+def _ended(pid):
+    """Whether process `pid` has ended: gone, or a zombie its parent has not reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive (someone else's)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False  # no /proc (not Linux): alive as far as we can tell
 
 
 def _stop(procs, grace_seconds=5):

@@ -16,6 +16,8 @@ import types
 
 import keras
 
+from keras_dist.overrides import override
+
 _HOOKED = "_keras_dist_reduces_gradients"
 
 
@@ -37,9 +39,10 @@ def reduce_gradients_before_update(optimizer, allreduce, all_finite=None):
     ```
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        if all_finite is not None:
+        if all_finite is not None and not getattr(optimizer, _HOOKED, False):
             local_check = optimizer.check_finite
-            _set(optimizer, "check_finite", types.MethodType(lambda self, grads: all_finite(local_check(grads)), optimizer))
+            override(optimizer, "check_finite", types.MethodType(lambda self, grads: all_finite(local_check(grads)), optimizer))
+            override(optimizer, _HOOKED, True)
         optimizer = optimizer.inner_optimizer
     if getattr(optimizer, _HOOKED, False):
         return
@@ -48,10 +51,21 @@ def reduce_gradients_before_update(optimizer, allreduce, all_finite=None):
     def reduce_then_clip(self, grads):
         return clip(list(allreduce(grads)))
 
-    _set(optimizer, "_clip_gradients", types.MethodType(reduce_then_clip, optimizer))
-    _set(optimizer, _HOOKED, True)
+    override(optimizer, "_clip_gradients", types.MethodType(reduce_then_clip, optimizer))
+    override(optimizer, _HOOKED, True)
 
 
-def _set(obj, name, value):
-    # Bypass the optimizer's tracking __setattr__: a bound method is not state to track.
-    object.__setattr__(obj, name, value)
+def optimizers_of(model):
+    """Every Keras optimizer `model` holds: `model.optimizer` and any held as an attribute.
+
+    A model whose `compile` takes its own optimizers (a GAN's `d_optimizer` and
+    `g_optimizer`) keeps them as attributes, directly or in a list or dict; each of them
+    must reduce gradients, or the replicas drift apart.
+    """
+    found = {}
+    for value in [model.optimizer, *vars(model).values()]:
+        parts = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        for part in parts:
+            if isinstance(part, keras.optimizers.Optimizer):
+                found.setdefault(id(part), part)
+    return list(found.values())

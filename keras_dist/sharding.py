@@ -30,6 +30,7 @@ in input order.
 
 import warnings
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -364,6 +365,61 @@ def open_ended(inputs, batch_size):
     # Keras then iterates until the distributed iterator ends, which it does on every
     # worker together; a known length would stop workers with shorter shards early.
     return inputs.filter(lambda *_: True)
+
+
+class ShardedPyDataset(keras.utils.PyDataset):
+    """One process's share of a `keras.utils.PyDataset`, split by batch index.
+
+    Global step s takes the script's batches s*U ... s*U + U - 1, U = num_shards *
+    batch_multiplier (one per replica), so N replicas at batch B see what one process at
+    N*B does. This process concatenates its `batch_multiplier` batches of each step.
+    Every shard has the same number of steps: a training shard that runs short takes
+    batches from the start again (fewer than U in all); otherwise it gets empty batches,
+    which add nothing to metrics or predictions. With `contiguous` (prediction), shard r
+    takes the r-th run of consecutive batches instead, so that outputs concatenated in
+    rank order are in input order.
+
+    Args:
+        dataset: the script's PyDataset (its workers and queue settings are kept).
+        num_shards: the number of shards (processes that read).
+        index: this process's shard.
+        pad: repeat batches rather than give empty ones (training).
+        batch_multiplier: the replicas this process feeds.
+        contiguous: consecutive runs of batches instead of interleaved ones; needs a
+            known length.
+    """
+
+    def __init__(self, dataset, num_shards, index, pad, batch_multiplier=1, contiguous=False):
+        super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                         max_queue_size=dataset.max_queue_size)
+        self.dataset, self.pad, self.own = dataset, pad, batch_multiplier
+        total = dataset.num_batches
+        # Every shard takes the same number of steps.
+        self.steps = None if total is None else -(-total // (num_shards * batch_multiplier))
+        if contiguous and self.steps is None:
+            raise KerasDistError("a PyDataset without a length cannot be split for predict; give it __len__")
+        self.per_step = batch_multiplier if contiguous else num_shards * batch_multiplier
+        self.first = index * batch_multiplier * (self.steps if contiguous else 1)
+
+    @property
+    def num_batches(self):
+        return self.steps
+
+    def __getitem__(self, step):
+        total = self.dataset.num_batches
+        wanted = [step * self.per_step + self.first + j for j in range(self.own)]
+        if total is not None:
+            wanted = [i % total for i in wanted] if self.pad else [i for i in wanted if i < total]
+        parts = [self.dataset[i] for i in wanted] or [tree.map_structure(lambda a: a[:0], self.dataset[0])]
+        if len(parts) == 1:
+            return parts[0]
+        return tree.map_structure(lambda *leaves: np.concatenate(leaves), *parts)
+
+    def on_epoch_begin(self):
+        self.dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.dataset.on_epoch_end()
 
 
 def gather_interleaved(backend, local_outputs, num_shards):

@@ -3,25 +3,30 @@
 `attach` replaces those three methods on the model object only (no Keras class is
 patched). Each wrapper splits the inputs, adjusts callbacks and verbosity for this
 worker, then calls Keras's own method, so every Keras argument keeps its meaning.
-Where the backend reduces in keras_dist (Horovod), `get_metrics_result` is wrapped too:
-Keras calls it at the end of every epoch and evaluation, and inside the train step, so
-summing metric states across processes there makes every log global, on every worker.
-Inside the train step it costs a collective per step, so it is done only where a
-callback reads per-batch logs; otherwise batch logs (the progress bar's running values)
-are this worker's own and epoch logs global.
+Under several processes `get_metrics_result` (and Keras's choice of epoch logs) is
+wrapped too: Keras calls it at the end of every epoch and evaluation, so summing metric
+states across processes there makes every epoch log global, on every worker. Horovod
+also calls it inside the train step where a callback reads per-batch logs (a collective
+per step); otherwise batch logs (the progress bar's running values) are this worker's.
 """
 
 import contextlib
 import inspect
 import warnings
 
+import keras
+import numpy as np
 import tensorflow as tf
+from keras import tree
 
 from keras_dist import runtime, sharding
+from keras_dist.backends.base import Backend
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
+from keras_dist.callbacks.replica_check import ReplicaCheck
 from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
 from keras_dist.errors import KerasDistError
+from keras_dist.overrides import override
 
 _INPUT_NAMES = ("x", "y", "sample_weight")
 
@@ -58,6 +63,11 @@ class DistributedTraining:
             args["x"] = sharding.shard_dataset(x, plan.num_shards, plan.shard_index, pad and args.get(steps_key) is None,
                                                plan.batch_multiplier, files=purpose != "predict",
                                                allgather=self.backend.allgather_object)
+        elif isinstance(x, keras.utils.PyDataset):
+            if plan.num_shards > 1 or plan.batch_multiplier > 1:
+                args["x"] = sharding.ShardedPyDataset(x, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier,
+                                                      contiguous=purpose == "predict")
+            return  # every shard has the same number of steps already
         elif x is not None and sharding.is_array_input(x):
             arrays = {k: args[k] for k in _INPUT_NAMES if k in args}
             args.update(sharding.shard_arrays(arrays, plan.num_shards, plan.shard_index, pad))
@@ -66,7 +76,7 @@ class DistributedTraining:
         elif plan.num_shards > 1:
             raise KerasDistError(
                 f"keras_dist cannot split a {type(x).__name__} across {plan.num_shards} processes; "
-                "pass NumPy arrays or a tf.data.Dataset"
+                "pass NumPy arrays, a tf.data.Dataset or a keras.utils.PyDataset"
             )
         else:
             return
@@ -86,14 +96,14 @@ class DistributedTraining:
         validation = args.get("validation_data")
         if validation is None:
             return
-        if isinstance(validation, tf.data.Dataset):
+        if isinstance(validation, (tf.data.Dataset, keras.utils.PyDataset)):
             val = {"x": validation}
         else:
             val = dict(zip(_INPUT_NAMES, validation))
         val["batch_size"] = args.get("validation_batch_size") or args.get("batch_size")
         val["steps"] = args.get("validation_steps")
         self._split(val, pad=False)
-        args["validation_data"] = val["x"] if isinstance(val["x"], tf.data.Dataset) else tuple(val.get(k) for k in _INPUT_NAMES)
+        args["validation_data"] = val["x"] if not sharding.is_array_input(val["x"]) else tuple(val.get(k) for k in _INPUT_NAMES)
         if args.get("validation_batch_size") is not None:
             args["validation_batch_size"] = val["batch_size"]
 
@@ -116,7 +126,8 @@ class DistributedTraining:
         self._split_validation(arguments)
         self._split(arguments, pad=True, steps_key="steps_per_epoch", purpose="fit")
         if self.backend.size > 1:
-            arguments["callbacks"].append(SyncInitialState(self.backend))
+            # First at each epoch end, before user callbacks save; last at the start, after they restore.
+            arguments["callbacks"] = [ReplicaCheck(self.backend), *arguments["callbacks"], SyncInitialState(self.backend)]
         with self._flag("in_fit"):
             history = self.backend.run_loop("fit", self.model, self.keras_fit, arguments)
         self.synced = True
@@ -140,6 +151,8 @@ class DistributedTraining:
             outputs = self.backend.run_loop("predict", self.model, self.keras_predict, arguments)
         if self.num_shards == 1:
             return outputs
+        if isinstance(arguments["x"], sharding.ShardedPyDataset):  # consecutive batches: in rank order
+            return tree.map_structure(lambda leaf: self.backend.allgather_array(np.asarray(leaf)), outputs)
         return sharding.gather_interleaved(self.backend, outputs, self.num_shards)
 
     def _choose_batch_logs(self, callbacks):
@@ -154,17 +167,43 @@ class DistributedTraining:
     def get_metrics_result(self):
         """Model metrics computed from their states summed over every process.
 
-        Inside the compiled test step it stays local: evaluation shards may differ by one
-        batch across processes, so only the final, eager call reduces. Inside the train
-        step it stays local unless a callback reads batch logs (`_choose_batch_logs`).
+        Eager calls (the end of an epoch, of `evaluate`) sum the states on the host, on
+        every backend: tf.distribute strategies keep metric states per replica and
+        aggregate only a process's own. Inside a compiled step the states stay local,
+        except in Horovod's train step where a callback reads batch logs
+        (`_choose_batch_logs`); evaluation shards may differ by one batch across
+        processes, so a test step never reduces.
         """
-        if tf.inside_function() and (self.in_evaluate or (self.in_fit and not self.global_batch_logs)):
-            return self.keras_get_metrics_result()
         metrics = self.model.metrics
-        states = [v.value for m in metrics for v in m.variables]
-        if not states:
+        variables = [v for m in metrics for v in m.variables]
+        if not variables:
             return self.keras_get_metrics_result()
-        return metric_results(metrics, self.backend.sum_across_processes_in_graph(states))
+        if tf.inside_function():
+            if not self.backend.reduces_in_keras_dist or self.in_evaluate or (self.in_fit and not self.global_batch_logs):
+                return self.keras_get_metrics_result()
+            return metric_results(metrics, self.backend.sum_across_processes_in_graph([v.value for v in variables]))
+        return metric_results(metrics, self.backend.sum_arrays([keras.ops.convert_to_numpy(v) for v in variables]))
+
+    def get_metrics_result_or_logs(self, logs):
+        """Epoch logs: the global metric results, and the other keys of a custom step's logs averaged.
+
+        Keras takes the metrics' results only where the last step's logs have exactly
+        their keys, else the step's own (this worker's) values; a custom `train_step`
+        returning `{m.name: m.result() for m in self.metrics}` nests the compiled
+        metrics in a dict, so its keys never match. Here nested logs are flattened, and
+        values that are not metrics are averaged over processes, so every worker logs
+        the same.
+        """
+        metric_logs = self.get_metrics_result()
+        if not isinstance(logs, dict):
+            return metric_logs
+        flat = flat_logs(logs)
+        if set(flat) == set(metric_logs):
+            return metric_logs
+        others = sorted(k for k in flat if k not in metric_logs)
+        means = self.backend.sum_arrays([np.asarray(keras.ops.convert_to_numpy(flat[k]), np.float64) for k in others])
+        return {**{k: metric_logs[k] for k in flat if k in metric_logs},
+                **{k: float(total) / self.backend.size for k, total in zip(others, means)}}
 
     def _sync_once(self):
         if not self.synced and self.backend.size > 1:
@@ -189,6 +228,17 @@ class DistributedTraining:
             setattr(self, name, previous)
 
 
+def flat_logs(logs):
+    """Logs with nested dicts (a `CompileMetrics` result) merged in, as Keras shows them."""
+    flat = {}
+    for name, value in logs.items():
+        if isinstance(value, dict):
+            flat.update(flat_logs(value))
+        else:
+            flat[name] = value
+    return flat
+
+
 def metric_results(metrics, states):
     """`{name: value}` of `metrics` computed from `states`, their variables' values in order.
 
@@ -200,8 +250,11 @@ def metric_results(metrics, states):
     results = {}
     for metric in metrics:
         count = len(metric.variables)
-        result = metric.stateless_result(states[:count])
-        states = states[count:]
+        own, states = states[:count], states[count:]
+        result = metric.stateless_result(own)
+        # A `result()` that returns a state variable itself escapes stateless_result's mapping.
+        by_variable = {id(v): value for v, value in zip(metric.variables, own)}
+        result = tree.map_structure(lambda r: by_variable.get(id(r), r), result)
         if isinstance(result, dict):
             results.update(result)
         else:
@@ -236,11 +289,10 @@ def distribute_dataset(dataset, training=True):
 def attach(model, backend):
     """Makes `model.fit/evaluate/predict` run distributed on `backend`."""
     training = DistributedTraining(model, backend)
-    overrides = ["fit", "evaluate", "predict"]
-    if backend.reduces_in_keras_dist:
-        overrides.append("get_metrics_result")
-    for name in overrides:
-        # object.__setattr__: bypass Keras's attribute tracking, these are not state.
-        object.__setattr__(model, name, getattr(training, name))
-    object.__setattr__(model, "_keras_dist", training)
+    names = ["fit", "evaluate", "predict"]
+    if backend.size > 1 and backend.run_loop.__func__ is Backend.run_loop:  # Keras's own loops read logs
+        names += ["get_metrics_result", "_get_metrics_result_or_logs"]
+    for name in names:
+        override(model, name, getattr(training, name.lstrip("_")))
+    override(model, "_keras_dist", training)
     return training

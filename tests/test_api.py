@@ -123,3 +123,29 @@ def test_learning_rate_warmup_leaves_the_rate_alone_when_resumed_past_the_ramp()
     model.fit(x, x[:, :1], batch_size=8, epochs=3, initial_epoch=2, verbose=0,
               callbacks=[keras_dist.callbacks.LearningRateWarmup(warmup_epochs=1), RestoreDecayedRate()])
     assert float(model.optimizer.learning_rate) == pytest.approx(0.01)
+
+
+def test_compiling_twice_wraps_keras_methods_once():
+    """The transfer-learning recipe: freeze, compile, fit; unfreeze, compile again, fit."""
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    model = small_model()
+    model.layers[0].trainable = False
+    keras_dist.compile(model, optimizer="sgd", loss="mse")
+    model.fit(x, x[:, :1], epochs=1, verbose=0)
+    model.layers[0].trainable = True
+    keras_dist.compile(model, optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    model.fit(x, x[:, :1], epochs=1, verbose=0)
+    assert model.fit.__self__ is model._keras_dist  # this compile's wrapper, over Keras's own method
+    assert model._keras_dist.keras_fit.__func__ is type(model).fit
+    assert isinstance(model.optimizer, keras.optimizers.Adam) and int(model.optimizer.iterations) == 1
+
+
+def test_every_optimizer_a_model_holds_is_found():
+    from keras_dist.optimizer_hooks import optimizers_of
+
+    model = small_model()
+    model.compile(optimizer="sgd", loss="mse")
+    model.g_optimizer = keras.optimizers.Adam()
+    model.pair = [keras.optimizers.SGD(), model.g_optimizer]
+    found = optimizers_of(model)
+    assert [type(o).__name__ for o in found] == ["SGD", "Adam", "SGD"]

@@ -84,8 +84,13 @@ def test_mwms_rerun_after_crash_resumes_every_worker_without_losing_an_epoch(tmp
     assert not (tmp_path / "files.1").exists()  # the other worker wrote to a scratch directory
 
 
-def test_ranks_with_different_models_fail_fast_with_one_line_error(tmp_path):
-    code, out = horovodrun(2, [WORKERS / "mismatched_models.py"], timeout=180)
-    assert code != 0
-    assert "KerasDistError: the model on rank 1 differs from rank 0's" in out
-    assert "build the same model" in out
+@pytest.mark.parametrize("backend", ["horovod", "mwms"])
+def test_ranks_with_different_models_fail_fast_with_one_line_error(tmp_path, backend):
+    if backend == "horovod":
+        outputs = [horovodrun(2, [WORKERS / "mismatched_models.py"], timeout=180)]
+    else:
+        outputs = runner.run([[WORKERS / "mismatched_models.py"]] * 2, runner.tf_config_envs(2), timeout=180)
+    for code, out in outputs:
+        assert code != 0
+        assert "KerasDistError: the model on rank 1 differs from rank 0's" in out
+        assert "build the same model" in out

@@ -139,3 +139,38 @@ def test_unbatched_datasets_are_a_one_line_error():
     for dataset in (tf.data.Dataset.range(4), tf.data.Dataset.from_tensor_slices(np.zeros((4, 8, 8, 3)))):
         with pytest.raises(KerasDistError, match=r"call \.batch\(batch_size\)"):
             sharding.shard_dataset(dataset, 2, 0, pad=True)
+
+
+class _Numbered(__import__("keras").utils.PyDataset):
+    """Batch i is [[i]]: shows which batches a shard serves."""
+
+    def __init__(self, count):
+        super().__init__()
+        self.count = count
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        return np.array([[index]]), np.array([index])
+
+
+def _served(dataset):
+    return [list(dataset[i][1]) for i in range(dataset.num_batches)]
+
+
+def test_py_datasets_split_by_batch_index_with_equal_steps():
+    numbered = _Numbered(7)
+    # Training: shard 1 runs short and takes batch 0 again (fewer than N extra batches).
+    assert [_served(sharding.ShardedPyDataset(numbered, 2, r, pad=True)) for r in range(2)] == \
+        [[[0], [2], [4], [6]], [[1], [3], [5], [0]]]
+    # Evaluation: an empty batch instead, which adds nothing to metrics or predictions.
+    assert [_served(sharding.ShardedPyDataset(numbered, 2, r, pad=False)) for r in range(2)] == \
+        [[[0], [2], [4], [6]], [[1], [3], [5], []]]
+    # A process feeding two replicas concatenates their batches of each step.
+    assert _served(sharding.ShardedPyDataset(numbered, 2, 1, pad=False, batch_multiplier=2)) == [[2, 3], [6]]
+
+
+def test_py_datasets_for_predict_split_into_consecutive_runs_in_rank_order():
+    shards = [_served(sharding.ShardedPyDataset(_Numbered(7), 2, r, pad=False, contiguous=True)) for r in range(2)]
+    assert shards == [[[0], [1], [2], [3]], [[4], [5], [6], []]]

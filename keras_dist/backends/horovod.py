@@ -6,7 +6,6 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 
 import itertools
 import os
-import shutil
 import sys
 
 from keras_dist.backends.base import Backend, GradientOptions
@@ -60,15 +59,34 @@ class HorovodBackend(Backend):
 
     @classmethod
     def local_tasks(cls, num_workers, num_ps, argv):
+        """One task per rank, with Horovod's Gloo rendezvous served from this process on loopback.
+
+        `horovodrun` would serve the rendezvous store on every interface (0.0.0.0) for
+        the whole job; a local cluster needs 127.0.0.1 only. The ranks are then direct
+        children of the launcher, which names, stops and reports each of them.
+        """
+        import threading
+
         from keras_dist.launcher import Task
 
         if num_ps:
             raise KerasDistError("backend 'horovod' has no parameter servers; drop --ps")
-        horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-        if horovodrun is None:
-            raise KerasDistError("horovodrun not found; build Horovod with tools/build_horovod.sh")
-        command = [horovodrun, "-np", str(num_workers), "-H", f"localhost:{num_workers}", "--gloo", sys.executable, *argv]
-        return [Task("horovod", command, prefix_output=False)]
+        try:
+            from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+            from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+            from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+        except ImportError:
+            raise KerasDistError("Horovod is not installed; build it with tools/build_horovod.sh") from None
+        slots = get_host_assignments(parse_hosts(f"localhost:{num_workers}"), num_workers)
+        store = RendezvousHTTPServer(("127.0.0.1", 0), RendezvousHandler, False)
+        store.init(slots)
+        threading.Thread(target=store.serve_forever, name="keras_dist-gloo-rendezvous", daemon=True).start()
+        job = create_run_env_vars("127.0.0.1", ["lo"], store.server_address[1])  # Gloo's own sockets: loopback too
+        return [
+            Task(f"rank:{slot.rank}", [sys.executable, *argv],
+                 env={**{k: str(v) for k, v in {**job, **create_slot_env_vars(slot)}.items()}, "PYTHONUNBUFFERED": "1"})
+            for slot in slots
+        ]
 
     def __init__(self):
         self._hvd = _import_horovod()
@@ -140,8 +158,19 @@ class HorovodBackend(Backend):
         for variable in variables:
             variable.assign(self._hvd.broadcast(variable.value, root_rank=root, name=self._name("broadcast")))
 
+    def sum_arrays(self, arrays):
+        if not arrays:
+            return []
+        import tensorflow as tf
+
+        tensors = [tf.convert_to_tensor(a) for a in arrays]
+        summed = self._hvd.grouped_allreduce(tensors, op=self._hvd.Sum, name=self._name("sum_arrays"))
+        return [s.numpy() for s in summed]
+
     def allgather_array(self, array):
         return self._hvd.allgather(array, name=self._name("allgather")).numpy()
 
     def barrier(self) -> None:
-        self._hvd.allreduce([0.0], name=self._name("barrier"))
+        import tensorflow as tf
+
+        self._hvd.allreduce(tf.zeros([1]), name=self._name("barrier"))

@@ -12,11 +12,13 @@ import pickle
 import shutil
 import sys
 import tempfile
+import weakref
 
 import keras
 
 from keras_dist.backends.tf_strategy import StrategyBackend
 from keras_dist.errors import KerasDistError
+from keras_dist.overrides import override, restore
 from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
 
 _MEMBERS = ("chief", "worker")  # task types that train; "evaluator" does not
@@ -81,6 +83,10 @@ class MultiWorkerMirroredBackend(StrategyBackend):
         return _strategy if _strategy is not None else _make_strategy()
 
     def prepare_model(self, model):
+        from keras_dist.callbacks.sync_state import check_same_variables
+
+        # Moving variables under the strategy broadcasts them: check the models match first.
+        check_same_variables(model.weights, self)
         model = super().prepare_model(model)
         predict_locally(model, self.strategy)
         return model
@@ -131,6 +137,17 @@ class MultiWorkerMirroredBackend(StrategyBackend):
             value = np.asarray(variable.numpy())
             variable.assign(self._sum(value if self.rank == root else np.zeros_like(value)))
 
+    def sum_arrays(self, arrays):
+        import numpy as np
+
+        arrays = [np.asarray(a) for a in arrays]
+        if not arrays:
+            return []
+        # One collective for all: flattened into one float64 vector, split again after.
+        summed = self._sum(np.concatenate([a.astype(np.float64).ravel() for a in arrays]))
+        ends = np.cumsum([a.size for a in arrays])[:-1]
+        return [part.reshape(a.shape).astype(a.dtype) for part, a in zip(np.split(summed, ends), arrays)]
+
     def allgather_array(self, array):
         import numpy as np
 
@@ -177,7 +194,7 @@ def predict_locally(model, strategy):
             model.predict_function = predict_function
         return model.predict_function
 
-    object.__setattr__(model, "make_predict_function", make_predict_function)
+    override(model, "make_predict_function", make_predict_function)
 
 
 def _make_strategy():
@@ -235,8 +252,11 @@ class ScratchCallback(keras.callbacks.Callback):
     def __init__(self, callback):
         super().__init__()
         self.directory = tempfile.mkdtemp(prefix="keras_dist_scratch_")
+        # Also gone when the run fails or the process exits without reaching the end.
+        weakref.finalize(self, shutil.rmtree, self.directory, True)
         model = vars(callback).get("_model")
         self.inner = copy.deepcopy(callback, {id(model): model} if model is not None else {})
+        restore(self.inner)  # replaced methods would still write through the original
         for name in self._PATH_ATTRIBUTES:
             original = getattr(self.inner, name, None)
             if isinstance(original, (str, os.PathLike)):

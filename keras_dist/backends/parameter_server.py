@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import weakref
 from collections import deque
 
@@ -21,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import keras_workarounds
+from keras_dist import keras_workarounds, optimizer_hooks
 from keras_dist.backends.base import Backend, GradientOptions
 from keras_dist.backends.tf_strategy import adopt_optimizer, move_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
@@ -30,6 +31,9 @@ from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_
 
 _SERVING_TASKS = ("worker", "ps")
 MIN_SHARD_BYTES_VAR = "KERAS_DIST_MIN_SHARD_BYTES"
+# Seconds a step may take before it runs again elsewhere (first steps trace the function).
+STEP_TIMEOUT_VAR = "KERAS_DIST_STEP_TIMEOUT"
+DEFAULT_STEP_TIMEOUT = 120.0
 
 
 def _ps_cluster(environ):
@@ -85,6 +89,9 @@ class ParameterServerBackend(Backend):
             default: with `KERAS_DIST_MIN_SHARD_BYTES=N` set,
             `MinSizePartitioner(min_shard_bytes=N, max_shards=<number of ps tasks>)`,
             else none.
+        step_timeout: seconds a step may run before it is run again on another worker
+            (a frozen worker would otherwise stall the job silently); default
+            `KERAS_DIST_STEP_TIMEOUT`, else 120.
 
     Example:
 
@@ -134,8 +141,9 @@ class ParameterServerBackend(Backend):
             for kind in ("chief", "worker", "ps") for i in range(len(cluster[kind]))
         ]
 
-    def __init__(self, variable_partitioner=None):
+    def __init__(self, variable_partitioner=None, step_timeout=None):
         cluster, kind, _ = _ps_cluster(os.environ)
+        self.step_timeout = float(step_timeout or os.environ.get(STEP_TIMEOUT_VAR) or DEFAULT_STEP_TIMEOUT)
         if kind != "chief":
             raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
                                  "only the 'chief' task runs the script past `import keras_dist`")
@@ -192,9 +200,16 @@ class ParameterServerBackend(Backend):
         if model.run_eagerly:
             raise KerasDistError("backend 'parameter_server' runs steps on workers as tf.functions; drop "
                                  "run_eagerly=True (debug eagerly with KERAS_DIST_BACKEND=single)")
+        unbuilt = [o for o in optimizer_hooks.optimizers_of(model) if o is not model.optimizer and not o.built]
+        if unbuilt and method == "fit":
+            # It would build inside a step, where variables cannot be created on the ps tasks.
+            raise KerasDistError(f"backend 'parameter_server' needs every optimizer the model holds built before fit; "
+                                 f"call build(variables) on the {type(unbuilt[0]).__name__} optimizer your compile "
+                                 "takes, with the variables it updates")
         steps = self._steps.get(model)
         if steps is None:
-            steps = self._steps[model] = CoordinatedSteps(model, self.strategy, self.coordinator, self.num_workers)
+            steps = self._steps[model] = CoordinatedSteps(model, self.strategy, self.coordinator, self.num_workers,
+                                                         self.step_timeout)
         try:
             return getattr(steps, method)(**arguments)
         except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as exc:
@@ -231,10 +246,12 @@ class CoordinatedSteps:
         strategy: the `ParameterServerStrategy`.
         coordinator: its `ClusterCoordinator`.
         num_workers: how many workers share the steps (bounds the closures in flight).
+        step_timeout: seconds a step may take before it runs again on another worker.
     """
 
-    def __init__(self, model, strategy, coordinator, num_workers=1):
+    def __init__(self, model, strategy, coordinator, num_workers=1, step_timeout=DEFAULT_STEP_TIMEOUT):
         self.model = model
+        self.step_timeout = step_timeout
         self.strategy = strategy
         self.coordinator = coordinator
         # Enough queued steps to keep every worker busy, few enough that the chief reads
@@ -306,33 +323,45 @@ class CoordinatedSteps:
         step's logs, with the metrics' results where names match (a step's own states
         start at zero, so its values cover that step only).
         """
-        from keras_dist.training import metric_results
+        from keras_dist.training import flat_logs, metric_results
 
         states = [np.zeros(v.shape, v.dtype) for v in self._metric_variables()]
         for step_states, _ in fetched:
             states = [total + np.asarray(part) for total, part in zip(states, step_states)]
         results = metric_results(self.model.metrics, states)
-        if fetched and set(fetched[-1][1]) != set(results):
-            results = {name: results.get(name, value) for name, value in fetched[-1][1].items()}
+        step_logs = flat_logs(fetched[-1][1]) if fetched else {}
+        if fetched and set(step_logs) != set(results):
+            results = {name: results.get(name, value) for name, value in step_logs.items()}
         return {name: float(value) if np.ndim(value) == 0 else np.asarray(value) for name, value in results.items()}
 
     def _fetch(self, remote, function, args, attempts=3):
-        """The value of a finished closure, running it again if its worker died before handing it over.
+        """The value of a finished closure, running it again if its worker died or froze.
 
         A closure's result stays on its worker until fetched; TensorFlow retries closures
         that fail, not results lost afterwards. A training batch rerun here trains twice,
-        as one whose worker died mid-update does under TensorFlow's own retry.
+        as one whose worker died mid-update does under TensorFlow's own retry. A step
+        that has not finished within `step_timeout` seconds (a frozen or stalled worker,
+        which TensorFlow would wait for forever) runs again on another worker; if that
+        one does not finish in time either, the job stops with a one-line error.
         """
         from tensorflow.python.distribute.coordinator.cluster_coordinator import _is_worker_failure
 
-        for _ in range(attempts - 1):
+        stalls = 0
+        for attempt in range(attempts):
             try:
-                return remote.fetch()
+                return _value_within(remote, self.step_timeout)
             except tf.errors.OpError as error:
-                if not _is_worker_failure(error):
+                if not _is_worker_failure(error) or attempt == attempts - 1:
                     raise
-                remote = self.coordinator.schedule(function, args=args)
-        return remote.fetch()
+            except TimeoutError:
+                stalls += 1
+                if stalls == 2:
+                    raise KerasDistError(
+                        f"a step did not finish within {self.step_timeout:g} s on any worker (frozen, stalled or "
+                        f"lost workers); check them, or raise {STEP_TIMEOUT_VAR} if steps are that slow") from None
+                print(f"keras_dist: a step has not finished within {self.step_timeout:g} s on its worker "
+                      "(frozen or stalled); it runs again on another worker", file=sys.stderr, flush=True)
+            remote = self.coordinator.schedule(function, args=args)
 
     def _run(self, function, inputs, callbacks, hooks):
         """Runs `function` on each input as closures, a bounded number in flight; returns their values.
@@ -470,6 +499,26 @@ class CoordinatedSteps:
         outputs = run()
         callbacks.on_predict_end()
         return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs)
+
+
+def _value_within(remote, seconds):
+    """`remote.fetch()`, or TimeoutError after `seconds` (the fetch goes on, unread, on its thread)."""
+    outcome = {}
+    done = threading.Event()
+
+    def fetch():
+        try:
+            outcome["value"] = remote.fetch()
+        except Exception as error:  # handed to the caller, whatever it is
+            outcome["error"] = error
+        done.set()
+
+    threading.Thread(target=fetch, name="keras_dist-fetch", daemon=True).start()
+    if not done.wait(seconds):
+        raise TimeoutError
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _train_step_over_shards(model):

@@ -66,7 +66,8 @@ def adopt_optimizer(optimizer, strategy):
 
     A Keras optimizer keeps the strategy current when it was made; building its slots
     (Adam's moments) under another one fails with "Mixing different tf.distribute.Strategy
-    objects". Its variables move too, values kept.
+    objects". Its variables move too, values kept, and a built optimizer (a loaded
+    model's) is told the model's moved variables are the ones it was built for.
 
     Args:
         optimizer: the compiled model's optimizer (a `LossScaleOptimizer`'s inner one too).
@@ -76,6 +77,8 @@ def adopt_optimizer(optimizer, strategy):
         if part is not None:
             move_variables(part, strategy)
             part._distribution_strategy = strategy
+            if part.built:  # a loaded model's: its index is keyed by the TF variables just replaced
+                part._trainable_variables_indices = {part._var_key(v): i for i, v in enumerate(part._trainable_variables)}
 
 
 def local_replica_devices(backend_name):
@@ -124,6 +127,13 @@ def move_variables(model, strategy):
         if getattr(current, "_distribute_strategy", None) is strategy:
             continue
         value = tf.convert_to_tensor(current)
-        # init_scope: create eagerly even if a script calls compile inside a tf.function.
-        with strategy.scope(), tf.init_scope():
-            variable._initialize(value)
+        # The new TensorFlow variable keeps the old one's `trainable` (which gradient tapes
+        # watch), not the Keras flag of the moment: a layer frozen now and unfrozen for a
+        # second compile (the transfer-learning recipe) must still get gradients.
+        keras_trainable, variable._trainable = variable._trainable, current.trainable
+        try:
+            # init_scope: create eagerly even if a script calls compile inside a tf.function.
+            with strategy.scope(), tf.init_scope():
+                variable._initialize(value)
+        finally:
+            variable._trainable = keras_trainable

@@ -2,6 +2,8 @@
 
 import keras
 
+from keras_dist.callbacks.atomic_writes import make_writes_atomic
+
 # Callbacks that write under a user-given path. A user subclass of one counts too.
 FILE_WRITING_CALLBACKS = (
     keras.callbacks.ModelCheckpoint,
@@ -19,16 +21,16 @@ def callbacks_for_this_worker(callbacks, backend):
         backend: the active keras_dist backend.
 
     Returns:
-        A new list. On the chief, every callback. On other workers, file-writing
-        callbacks are dropped, or, where the backend's saves are collective (every
-        worker must take part in a save), redirected to a scratch directory by the
-        backend.
+        A new list. On the chief, every callback, checkpoints written atomically
+        (`make_writes_atomic`). On other workers, file-writing callbacks are dropped,
+        or, where the backend's saves are collective (every worker must take part in
+        a save), redirected to a scratch directory by the backend.
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     callbacks = list(callbacks or [])
     if backend.is_chief:
-        return callbacks
+        return [make_writes_atomic(c) for c in callbacks]
     kept = []
     for callback in callbacks:
         if not isinstance(callback, FILE_WRITING_CALLBACKS):

@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_dist import optimizer_hooks
 from keras_dist.errors import KerasDistError
 
 
@@ -31,8 +32,20 @@ def sync_model_state(model, backend):
     """Checks the models match across processes, then copies the chief's state to all."""
     optimizer = model.optimizer
     if optimizer is not None and not optimizer.built:
-        optimizer.build(model.trainable_variables)
-    variables = list(model.weights) + (list(optimizer.variables) if optimizer is not None else [])
+        with backend.scope():  # before any fit (evaluate first), nothing else opened it
+            optimizer.build(model.trainable_variables)
+    # Optimizers a custom `compile` holds build on their first update, from zeros on every process.
+    built = [o for o in optimizer_hooks.optimizers_of(model) if o.built]
+    variables = list(model.weights) + [v for o in built for v in o.variables]
+    check_same_variables(variables, backend)
+    backend.broadcast_variables(variables)
+
+
+def check_same_variables(variables, backend):
+    """Stops with a one-line error unless every process has variables of these paths and shapes.
+
+    A collective over variables that differ would hang or fail deep inside TensorFlow.
+    """
     signature = [(v.path, tuple(v.shape), str(v.dtype)) for v in variables]
     signatures = backend.allgather_object(signature)
     for rank, other in enumerate(signatures):
@@ -41,7 +54,6 @@ def sync_model_state(model, backend):
                 f"the model on rank {rank} differs from rank 0's ({_first_difference(signatures[0], other)}); "
                 "build the same model, with the same layers and shapes, on every process"
             )
-    backend.broadcast_variables(variables)
 
 
 def _first_difference(reference, other):

@@ -1,0 +1,101 @@
+"""Checkpoints written atomically: a crash at any moment leaves the previous good file.
+
+Keras writes a checkpoint in place, so a process killed mid-save leaves a truncated file
+(and `BackupAndRestore` then fails on every rerun). Here each save of `ModelCheckpoint`
+and `BackupAndRestore` goes to a temporary name in the same directory, is flushed to
+disk, and is then renamed over the real name, which a rename replaces whole or not at
+all. Only the callback instance is changed (its `_save_model` and `on_train_begin`).
+"""
+
+import os
+
+import keras
+
+from keras_dist.overrides import override
+
+_PARTIAL = ".keras_dist-partial-"
+
+
+def make_writes_atomic(callback):
+    """Makes `callback` (a `ModelCheckpoint` or `BackupAndRestore`, else unchanged) save atomically.
+
+    Idempotent. A `BackupAndRestore` also survives a partial file left by an earlier,
+    non-atomic save: one line says so, and training starts from the last good state
+    (Keras's `.bkp` copy where `double_checkpoint=True`, else the beginning).
+    """
+    if "_save_model" in vars(callback):
+        return callback
+    if isinstance(callback, keras.callbacks.BackupAndRestore):
+        _atomic_backup(callback)
+    elif isinstance(callback, keras.callbacks.ModelCheckpoint):
+        _atomic_checkpoint(callback)
+    return callback
+
+
+def _atomic_checkpoint(callback):
+    keras_save = callback._save_model
+    template = callback.filepath
+
+    def _save_model(epoch, batch, logs):
+        final = callback._get_file_path(epoch, batch, logs)
+        callback.filepath = _partial(template)
+        try:
+            partial = callback._get_file_path(epoch, batch, logs)
+            keras_save(epoch, batch, logs)
+        finally:
+            callback.filepath = template
+        if os.path.exists(partial):  # save_best_only may have skipped it
+            publish(partial, final)
+
+    override(callback, "_save_model", _save_model)
+
+
+def _atomic_backup(callback):
+    keras_save, keras_train_begin = callback._save_model, callback.on_train_begin
+    names = ("_weights_path", "_training_metadata_path")
+
+    def _save_model():
+        finals = [getattr(callback, n) for n in names]
+        for name, final in zip(names, finals):
+            setattr(callback, name, _partial(final))
+        try:
+            keras_save()
+        finally:
+            partials = [getattr(callback, n) for n in names]
+            for name, final in zip(names, finals):
+                setattr(callback, name, final)
+        for partial, final in zip(partials, finals):  # weights first: metadata names their epoch
+            publish(partial, final)
+
+    def on_train_begin(logs=None):
+        try:
+            keras_train_begin(logs)
+        except OSError as exc:  # h5py's error for a truncated file
+            if not os.path.exists(callback._weights_path):
+                raise
+            print(f"keras_dist: {callback._weights_path} cannot be read ({type(exc).__name__}), left by a crash "
+                  "during an earlier save; it is moved aside and training starts from the last good state", flush=True)
+            for path in (callback._weights_path, callback._training_metadata_path):
+                if os.path.exists(path):
+                    os.replace(path, path + ".unreadable")
+            keras_train_begin(logs)
+
+    override(callback, "_save_model", _save_model)
+    override(callback, "on_train_begin", on_train_begin)
+
+
+def _partial(path):
+    directory, name = os.path.split(path)
+    return os.path.join(directory, _PARTIAL + name)
+
+
+def publish(partial, final):
+    """Flushes `partial` to disk and renames it to `final`, replacing it in one step."""
+    with open(partial, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(partial, final)
+    directory = os.open(os.path.dirname(os.path.abspath(final)), os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power loss
+    finally:
+        os.close(directory)

@@ -1,0 +1,55 @@
+"""Replicas never diverge silently: after each epoch, every worker's weights are compared."""
+
+import zlib
+
+import keras
+import numpy as np
+
+from keras_dist.errors import KerasDistError
+
+
+class ReplicaCheck(keras.callbacks.Callback):
+    """Ends the epoch with every worker holding the same model, or stops with the cause.
+
+    keras_dist runs it first at each epoch end, before the user's callbacks save or log
+    anything. Float non-trainable weights (BatchNormalization's moving statistics,
+    updated from each worker's own batches) are first averaged over workers. Then a
+    CRC of every worker's trainable weights is compared: one small allgather per epoch.
+    A mismatch means some update was not reduced across workers.
+
+    Args:
+        backend: the active keras_dist backend, with more than one process.
+    """
+
+    def __init__(self, backend):
+        super().__init__()
+        self.backend = backend
+
+    def on_epoch_end(self, epoch, logs=None):
+        average_statistics(self.model, self.backend)
+        digests = self.backend.allgather_object(weights_digest(self.model.trainable_weights))
+        differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+        if differing:
+            raise KerasDistError(
+                f"after epoch {epoch + 1} the trainable weights of worker(s) {differing} differ from the chief's: "
+                "an update was not reduced across workers; give every optimizer the model uses to "
+                "keras_dist.compile (as compile arguments or model attributes) and change weights only through them"
+            )
+
+
+def weights_digest(weights):
+    """A CRC-32 of the weights' bytes, in order: equal only for bit-identical replicas."""
+    digest = 0
+    for weight in weights:
+        digest = zlib.crc32(np.ascontiguousarray(keras.ops.convert_to_numpy(weight)).tobytes(), digest)
+    return digest
+
+
+def average_statistics(model, backend):
+    """Sets every float non-trainable weight of `model` to its mean over processes."""
+    statistics = [w for w in model.non_trainable_weights if "float" in str(w.dtype)]
+    if not statistics:
+        return
+    sums = backend.sum_arrays([keras.ops.convert_to_numpy(w) for w in statistics])
+    for weight, total in zip(statistics, sums):
+        weight.assign(total / backend.size)

@@ -1,0 +1,24 @@
+"""Per-instance replacements of Keras methods, recorded so that a later compile starts afresh.
+
+keras_dist never patches a Keras class: it replaces methods on one model, optimizer or
+layer object. Each replacement is recorded on the object, and `restore` removes them
+all, so compiling a model again (freeze, compile, fit; unfreeze, compile, fit) wraps
+Keras's own methods once more instead of wrapping the previous wrappers.
+"""
+
+_RECORD = "_keras_dist_overrides"
+
+
+def override(obj, name, value):
+    """Sets `obj.<name> = value` on this instance only and records it.
+
+    `object.__setattr__` bypasses Keras's attribute tracking: a method is not state.
+    """
+    object.__setattr__(obj, name, value)
+    obj.__dict__.setdefault(_RECORD, set()).add(name)
+
+
+def restore(obj):
+    """Removes every `override` of `obj`: its attributes are its class's again."""
+    for name in obj.__dict__.pop(_RECORD, ()):
+        obj.__dict__.pop(name, None)

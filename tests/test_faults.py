@@ -1,0 +1,151 @@
+"""Faults a real job meets, with real processes: crashes mid-save, a killed launcher, signals."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+
+import h5py
+import pytest
+
+from conftest import BIN, QUIET_ENV, WORKERS, run
+from keras_dist.launcher import free_loopback_ports, kill_process_groups
+
+pytestmark = pytest.mark.timeout(300)
+FAULTS = WORKERS / "faults.py"
+
+
+def start(argv, env=None):
+    base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    return subprocess.Popen([str(a) for a in argv], env={**base, **QUIET_ENV, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoints_whole(tmp_path):
+    proc = start([sys.executable, FAULTS, "save", tmp_path, 1000])
+    backup = tmp_path / "backup" / "latest.weights.h5"
+    deadline = time.monotonic() + 200
+    try:
+        # After one whole epoch's saves, kill the next time a backup is being written.
+        while not ((tmp_path / "model.keras").exists() and glob.glob(str(tmp_path / "backup" / ".keras_dist-partial-*"))):
+            assert time.monotonic() < deadline and proc.poll() is None, "no save was caught in progress"
+        os.killpg(proc.pid, signal.SIGKILL)  # mid-save: a partial file is being written
+    finally:
+        kill_process_groups([proc])
+    with h5py.File(backup, "r"):  # whole, not truncated
+        pass
+    assert zipfile.ZipFile(tmp_path / "model.keras").testzip() is None
+    epoch = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())["epoch"]
+    code, out = run([sys.executable, FAULTS, "save", tmp_path, epoch + 2], timeout=200)
+    assert code == 0, out[-3000:]
+    assert f"epoch {epoch} begins" in out and "epoch 0 begins" not in out  # resumed, nothing lost
+
+
+def test_a_partial_backup_left_by_an_older_version_is_moved_aside_in_one_line(tmp_path):
+    code, out = run([sys.executable, FAULTS, "save", tmp_path, 1], timeout=200)
+    assert code == 0, out[-3000:]
+    backup = tmp_path / "backup" / "latest.weights.h5"
+    backup.write_bytes(backup.read_bytes()[: backup.stat().st_size // 3])  # what a non-atomic save leaves
+    code, out = run([sys.executable, FAULTS, "save", tmp_path, 2], timeout=200)
+    assert code == 0, out[-3000:]
+    assert len([line for line in out.splitlines() if "cannot be read" in line]) == 1
+    assert "epoch 0 begins" in out and "finished" in out
+
+
+def _job_pids(directory, count, deadline):
+    while len(glob.glob(str(directory / "pid.*"))) < count:
+        assert time.monotonic() < deadline, "the tasks did not start"
+        time.sleep(0.2)
+    return [int((directory / f"pid.{rank}").read_text()) for rank in range(count)]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("backend", ["horovod", "multi_worker_mirrored"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_tasks_never_outlive_their_launcher(tmp_path, backend, sig):
+    launcher = start([BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, FAULTS, "idle", tmp_path])
+    try:
+        pids = _job_pids(tmp_path, 2, time.monotonic() + 120)
+        launcher.send_signal(sig)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, f"tasks outlived the launcher ({signal.Signals(sig).name}): " + \
+                ", ".join(open(f"/proc/{p}/stat").read()[:80] for p in pids if _alive(p))
+            time.sleep(0.2)
+        code = launcher.wait(timeout=30)
+    finally:
+        kill_process_groups([launcher])
+        for pid in pids if "pids" in dir() else []:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM)
+
+
+def test_a_task_killed_by_a_signal_exits_the_launcher_with_128_plus_it():
+    code, out = run([BIN / "keras-dist", "launch", "-n", 2, FAULTS, "killed_by_signal"], timeout=120)
+    assert code == 128 + signal.SIGKILL, out[-2000:]
+    assert f"exited with {128 + signal.SIGKILL}" in out
+
+
+def _listening_addresses(pid):
+    """The local addresses `pid`'s TCP sockets listen on (hex, as /proc/net/tcp has them)."""
+    inodes = set()
+    for fd in glob.glob(f"/proc/{pid}/fd/*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    addresses.append(fields[1].split(":")[0])
+    return addresses
+
+
+def test_a_local_horovod_job_listens_on_loopback_only(tmp_path):
+    launcher = start([BIN / "keras-dist", "launch", "--backend", "horovod", "-n", 2, FAULTS, "idle", tmp_path])
+    try:
+        pids = _job_pids(tmp_path, 2, time.monotonic() + 120)
+        listening = {pid: _listening_addresses(pid) for pid in [launcher.pid, *pids]}
+    finally:
+        kill_process_groups([launcher])
+    assert listening[launcher.pid], "the rendezvous store should be served by the launcher"
+    loopback = ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000")
+    assert all(address in loopback for addresses in listening.values() for address in addresses), listening
+
+
+def test_the_cli_never_becomes_a_worker_with_a_stale_tf_config(tmp_path):
+    ports = free_loopback_ports(2)
+    stale = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": 0}})
+    code, out = run([BIN / "keras-dist", "info"], timeout=120, env={"TF_CONFIG": stale})
+    assert code == 0 and '"backend": "multi_worker_mirrored"' in out, out[-2000:]
+    script = tmp_path / "train.py"
+    script.write_text("import keras_dist\nprint('backend', keras_dist.init().name)\n")
+    code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=120, env={"TF_CONFIG": stale})
+    assert code == 0 and out.count("backend horovod") == 2, out[-2000:]
+
+
+def test_a_bad_backend_variable_under_launch_is_a_one_line_error(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import keras_dist\n")
+    code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=60, env={"KERAS_DIST_BACKEND": "bogus"})
+    assert code == 2 and out.strip().splitlines()[-1:] == [
+        "keras-dist: error: unknown keras_dist backend 'bogus'; choose one of: " + ", ".join(
+            __import__("keras_dist.backends", fromlist=["REGISTRY"]).REGISTRY)]

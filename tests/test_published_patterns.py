@@ -1,0 +1,135 @@
+"""What published Keras scripts do, unchanged but for the two lines, on every backend.
+
+tests/workers/published_patterns.py holds the patterns (our own scripts, written after
+reading Keras's guides and examples). One run per configuration, each a real launch:
+one plain process at the global batch (the reference), keras_dist in one process,
+`horovodrun` with 2 ranks, MultiWorkerMirrored with 2 workers and parameter servers
+(chief, 2 workers, 1 ps). Deterministic patterns must end where the reference does;
+the others must at least agree across workers.
+"""
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from conftest import BIN, PYTHON, WORKERS, horovodrun, run
+
+pytestmark = pytest.mark.timeout(900)
+SCRIPT = WORKERS / "published_patterns.py"
+
+# Deterministic: N replicas at batch B end where one process at N*B does.
+EXACT = ["compile_twice", "custom_compile_two_optimizers", "custom_train_step", "custom_loss_and_metric",
+         "sample_and_class_weight", "dict_inputs_two_outputs", "preprocessing_in_tf_data", "py_dataset",
+         "validation_split", "callbacks", "evaluate_before_fit", "save_and_load"]
+# Random augmentation, per-replica batch statistics, float16 rounding: workers agree only.
+AGREE = ["batchnorm_augmentation", "mixed_precision"]
+PATTERNS = EXACT + AGREE
+SYNCHRONOUS = ["keras_dist_1", "horovod_2", "mwms_2"]
+# Logs known to differ from one process (open: see the README's troubleshooting). Under
+# tf.distribute Keras divides losses by the replica count and a custom train_step's own
+# loss tracker keeps that; MultiWorkerMirrored's per-output loss trackers count extra
+# updates in evaluate. Weights and every other log must still match.
+KNOWN_GAPS = {
+    ("mwms_2", "custom_compile_two_optimizers"): ["history.loss"],
+    ("mwms_2", "custom_train_step"): ["history.loss"],
+    ("mwms_2", "dict_inputs_two_outputs"): ["evaluate.label_loss", "evaluate.score_loss"],
+}
+
+
+def launch(backend, argv, timeout):
+    return run([BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, *(["--ps", 1] if backend == "parameter_server" else []),
+                *argv], timeout)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """{configuration: {pattern: [result per rank]}}, every configuration run once."""
+    out = {}
+    for name, ranks in (("plain_1", 1), ("keras_dist_1", 1), ("horovod_2", 2), ("mwms_2", 2), ("ps_2", 1)):
+        directory = tmp_path_factory.mktemp(name)
+        argv = [SCRIPT, directory, "plain" if name == "plain_1" else "keras_dist", *PATTERNS]
+        if name in ("plain_1", "keras_dist_1"):
+            code, output = run([PYTHON, *argv], 300, env={"KERAS_DIST_BACKEND": ""})
+        elif name == "horovod_2":
+            code, output = horovodrun(2, argv, 400)
+        else:
+            code, output = launch({"mwms_2": "multi_worker_mirrored", "ps_2": "parameter_server"}[name], argv, 400)
+        assert code == 0, f"{name}:\n{output[-5000:]}"
+        out[name] = {p: [_load(directory, p, r) for r in range(ranks)] for p in PATTERNS}
+    return out
+
+
+def _load(directory, pattern, rank):
+    with open(os.path.join(directory, f"{pattern}.{rank}.pkl"), "rb") as f:
+        return pickle.load(f)
+
+
+def assert_close(actual, expected, where, tolerance=1e-5):
+    if isinstance(expected, dict):
+        assert set(actual) == set(expected), f"{where}: keys {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            assert_close(actual[key], expected[key], f"{where}.{key}", tolerance)
+    elif isinstance(expected, (list, tuple)) and expected and not isinstance(expected[0], (int, float)):
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_close(a, e, f"{where}[{i}]", tolerance)
+    elif isinstance(expected, str):
+        assert actual == expected, where
+    else:
+        np.testing.assert_allclose(np.asarray(actual, dtype="float64"), np.asarray(expected, dtype="float64"),
+                                   rtol=tolerance, atol=tolerance, err_msg=where)
+
+
+@pytest.mark.parametrize("configuration", SYNCHRONOUS)
+@pytest.mark.parametrize("pattern", EXACT)
+def test_pattern_matches_one_plain_process(results, configuration, pattern):
+    reference = dict(results["plain_1"][pattern][0])
+    for rank, result in enumerate(results[configuration][pattern]):
+        assert "refused" not in result, result.get("refused")
+        expected = dict(reference)
+        if pattern == "callbacks" and rank > 0:  # files are the chief's alone (no scratch or partial ones)
+            expected = {k: v for k, v in expected.items() if k not in ("csv", "best_predict", "files")}
+        gaps = KNOWN_GAPS.get((configuration, pattern), [])
+        assert_close(_without(result, gaps), _without(expected, gaps), f"{configuration} rank {rank} {pattern}")
+
+
+@pytest.mark.xfail(strict=True, reason="known gaps (KNOWN_GAPS): passes once they are fixed; then empty the table")
+@pytest.mark.parametrize("configuration, pattern", sorted(KNOWN_GAPS))
+def test_known_log_gaps_remain(results, configuration, pattern):
+    reference = results["plain_1"][pattern][0]
+    for path in KNOWN_GAPS[(configuration, pattern)]:
+        assert_close(_at(results[configuration][pattern][0], path), _at(reference, path), path)
+
+
+def _at(result, path):
+    for key in path.split("."):
+        result = result[key]
+    return result
+
+
+def _without(result, paths):
+    result = dict(result)
+    for path in paths:
+        outer, key = path.split(".")
+        result[outer] = {k: v for k, v in result[outer].items() if k != key}
+    return result
+
+
+@pytest.mark.parametrize("configuration", ["horovod_2", "mwms_2"])
+@pytest.mark.parametrize("pattern", AGREE)
+def test_pattern_trains_the_same_model_on_every_worker(results, configuration, pattern):
+    first, second = results[configuration][pattern]
+    assert_close(second, first, f"{configuration} {pattern}", tolerance=0)
+    assert all(np.isfinite(w).all() for w in first["weights"])
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_parameter_servers_run_the_pattern_or_refuse_it_in_one_line(results, pattern):
+    (chief,) = results["ps_2"][pattern]
+    if "refused" in chief:
+        assert "\n" not in chief["refused"] and len(chief["refused"]) < 300, chief["refused"]
+    else:
+        assert all(np.isfinite(w).all() for w in chief["weights"]), pattern
+        assert all(np.isfinite(v).all() for v in chief["history"].values()), pattern
