@@ -61,7 +61,7 @@ def build_from_local_batch(model, strategy):
 
 
 def step_functions(model, strategy):
-    """Builds the train and test functions with two fixes for tf.distribute strategies.
+    """Builds the train and test functions with fixes for tf.distribute strategies.
 
     1. Upstream: tensorflow/tensorflow#72388, keras-team/keras#20585. After each step
        Keras reduces the logs with `strategy.reduce("MEAN", value, axis=0)`; under
@@ -75,6 +75,11 @@ def step_functions(model, strategy):
        cross-replica `merge_call` (the optimizer update) cannot sit in a conditional
        branch and the first call fails with `You must feed a value for placeholder
        tensor`. Here the condition is the `tf.while_loop` predicate, as in tf.keras.
+    3. Not an upstream bug: keras_dist feeds MultiWorkerMirroredStrategy open-ended
+       evaluation inputs, and its partial-batch handling gives a worker without data an
+       empty batch, also in the final call that then ends the input. Keras's test step
+       would count it (a multi-output model's per-output loss trackers add one update
+       per call, whatever the batch size), so an empty batch skips the step.
 
     Args:
         model: the model; its `_make_function` is replaced on this instance only.
@@ -98,10 +103,16 @@ def step_functions(model, strategy):
     def _make_function(step_function):
         if model.run_eagerly:
             return keras_make_function(step_function)
+        skip_empty_batches = multi_worker and step_function == model.test_step and \
+            getattr(type(model).test_step, "__qualname__", "") == "TensorFlowTrainer.test_step"
 
         def replica_step(data):
             # A metric's `result()` may be its state variable, which strategy.run returns
             # as one mirrored value that cannot be reduced: read it on each replica instead.
+            if skip_empty_batches:
+                rows = tf.shape(next(t for t in tree.flatten(data) if t is not None))[0]
+                return tf.cond(rows > 0, lambda: tree.map_structure(_read_variable, step_function(data)),
+                               lambda: tree.map_structure(_read_variable, model.get_metrics_result()))
             return tree.map_structure(_read_variable, step_function(data))
 
         @tf.function(reduce_retracing=True, jit_compile=model.jit_compile)

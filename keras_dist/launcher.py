@@ -21,6 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 
+LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
+
+
 @dataclass
 class Task:
     """One process of a local cluster.
@@ -63,16 +66,24 @@ def _pump(stream, prefix, out):
     stream.close()
 
 
+# What tells a process which cluster it is in: the tasks get their own, never the shell's.
+_CLUSTER_VARIABLES = ("TF_CONFIG", "HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "MPI_LOCALNRANKS", LAUNCHER_PID)
+
+
 def run_tasks(tasks, out=None, poll_seconds=0.2):
     """Starts `tasks`, waits for all of them, returns the first failing exit code (or 0)."""
     out = out or sys.stdout
+    inherited = sorted(k for k in os.environ if k.startswith(_CLUSTER_VARIABLES))
+    if inherited:
+        out.write(f"[keras-dist] ignoring {', '.join(inherited)} from the shell: each task gets its own\n")
+    base = {k: v for k, v in os.environ.items() if k not in inherited}
     procs, pumps = [], []
     previous_handler = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
         for task in tasks:
             proc = subprocess.Popen(
                 task.argv,
-                env={**os.environ, **task.env, LAUNCHER_PID: str(os.getpid())},
+                env={**base, **task.env, LAUNCHER_PID: str(os.getpid())},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: we can kill its children
@@ -132,8 +143,6 @@ def _terminate_with_parent():
     except (OSError, AttributeError):
         pass
 
-
-LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
 
 
 def watch_launcher(environ, poll_seconds=1.0):

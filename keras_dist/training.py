@@ -182,7 +182,7 @@ class DistributedTraining:
             if not self.backend.reduces_in_keras_dist or self.in_evaluate or (self.in_fit and not self.global_batch_logs):
                 return self.keras_get_metrics_result()
             return metric_results(metrics, self.backend.sum_across_processes_in_graph([v.value for v in variables]))
-        return metric_results(metrics, self.backend.sum_arrays([keras.ops.convert_to_numpy(v) for v in variables]))
+        return metric_results(metrics, self.backend.sum_arrays([local_state(v) for v in variables]))
 
     def get_metrics_result_or_logs(self, logs):
         """Epoch logs: the global metric results, and the other keys of a custom step's logs averaged.
@@ -226,6 +226,19 @@ class DistributedTraining:
             yield
         finally:
             setattr(self, name, previous)
+
+
+def local_state(variable):
+    """A metric state's value on this process alone, its replicas' parts summed.
+
+    Reading a strategy's per-replica (sync-on-read) variable may itself aggregate over
+    every worker, depending on the context; keras_dist sums over processes explicitly.
+    """
+    value = variable.value
+    if isinstance(value, tf.distribute.DistributedValues):
+        parts = value._distribute_strategy.experimental_local_results(value)
+        return np.sum([np.asarray(part) for part in parts], axis=0)
+    return keras.ops.convert_to_numpy(value)
 
 
 def flat_logs(logs):

@@ -32,9 +32,9 @@ def test_main_job_trains_with_two_horovod_processes(tmp_path):
     code, out = run([BIN / "keras-dist", "launch", "--backend", "horovod", "-n", 2, EXAMPLES / "train_distributed.py"],
                     timeout=300, env={"EPOCHS": "2", "OUTPUT": str(tmp_path)})
     assert code == 0, out[-4000:]
-    assert "[0]<stdout>:Epoch 2/2" in out
-    assert "[1]<stdout>:Epoch" not in out  # progress on rank 0 only
-    accuracies = [float(a) for a in re.findall(r"\[\d\]<stdout>:test accuracy: ([0-9.]+)", out)]
+    assert "[rank:0] Epoch 2/2" in out
+    assert "[rank:1] Epoch" not in out  # progress on rank 0 only
+    accuracies = [float(a) for a in re.findall(r"\[rank:\d\] test accuracy: ([0-9.]+)", out)]
     assert len(accuracies) == 2 and accuracies[0] == accuracies[1]
     assert accuracies[0] > 0.6  # 10 classes: chance is 0.1
     assert (tmp_path / "best.keras").is_file() and (tmp_path / "log.csv").is_file()
@@ -59,7 +59,7 @@ def test_tfds_dataset_built_locally_trains_two_ranks_like_one_process_at_double_
     code, out = run([BIN / "keras-dist", "launch", "-n", 2, EXAMPLES / "tfds_classifier.py", data_dir],
                     timeout=300, env={"EPOCHS": "1", "BATCH_SIZE": "16"})
     assert code == 0, out[-4000:]
-    two_ranks = checksum(out, "<stdout>:")
+    two_ranks = checksum(out, "] ")
     code, out = run([PYTHON, EXAMPLES / "tfds_classifier.py", data_dir], timeout=300,
                     env={"EPOCHS": "1", "BATCH_SIZE": "32"})
     assert code == 0, out[-4000:]
@@ -87,15 +87,15 @@ def test_resnet50_example_resumes_after_preemption_with_two_horovod_processes(tm
               "--output-dir", tmp_path]
     code, out = run([*launch, "--exit-after-epochs", 1], timeout=240)
     assert code != 0, out[-4000:]  # the chief was killed
-    assert "[0]<stdout>:Epoch 1/2" in out and "Epoch 2/2" not in out, out[-4000:]
+    assert "[rank:0] Epoch 1/2" in out and "Epoch 2/2" not in out, out[-4000:]
     assert (tmp_path / "backup").is_dir()
     assert len(event_files(tmp_path, "train")) == 1  # the chief's only
 
     code, out = run(launch, timeout=240)
     assert code == 0, out[-4000:]
-    assert "[0]<stdout>:Epoch 2/2" in out and "Epoch 1/2" not in out, out[-4000:]
-    assert "[1]<stdout>:Epoch" not in out  # progress on the chief only
-    finished = re.findall(r"\[(\d)\]<stdout>:epochs run: ([\d ]+?)  final loss: ([0-9.]+)", out)
+    assert "[rank:0] Epoch 2/2" in out and "Epoch 1/2" not in out, out[-4000:]
+    assert "[rank:1] Epoch" not in out  # progress on the chief only
+    finished = re.findall(r"\[rank:(\d)\] epochs run: ([\d ]+?)  final loss: ([0-9.]+)", out)
     assert sorted(rank for rank, _, _ in finished) == ["0", "1"], out[-4000:]
     assert {(epochs, loss) for _, epochs, loss in finished} == {("2", finished[0][2])}  # global logs: same on both
     policies = re.findall(r"precision policy: (\w+), compute dtype: (\w+),", out)
@@ -116,8 +116,8 @@ def test_resnet50_example_reads_imagenet_from_tfds_in_mixed_bfloat16(tmp_path):
                      "--output-dir", tmp_path / "run"], timeout=240)
     assert code == 0, out[-4000:]
     assert out.count("precision policy: mixed_bfloat16, compute dtype: bfloat16, variable dtype: float32") == 2
-    assert "[0]<stdout>:2/2 - " in out, out[-4000:]
-    losses = re.findall(r"<stdout>:epochs run: 1  final loss: ([0-9.]+)", out)
+    assert "[rank:0] 2/2 - " in out, out[-4000:]
+    losses = re.findall(r"\] epochs run: 1  final loss: ([0-9.]+)", out)
     assert len(losses) == 2 and losses[0] == losses[1], out[-4000:]
 
 

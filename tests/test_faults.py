@@ -138,8 +138,10 @@ def test_the_cli_never_becomes_a_worker_with_a_stale_tf_config(tmp_path):
     assert code == 0 and '"backend": "multi_worker_mirrored"' in out, out[-2000:]
     script = tmp_path / "train.py"
     script.write_text("import keras_dist\nprint('backend', keras_dist.init().name)\n")
-    code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=120, env={"TF_CONFIG": stale})
+    code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=120,
+                    env={"TF_CONFIG": stale, "HOROVOD_RANK": "5"})
     assert code == 0 and out.count("backend horovod") == 2, out[-2000:]
+    assert "[keras-dist] ignoring HOROVOD_RANK, TF_CONFIG from the shell: each task gets its own" in out
 
 
 def test_a_bad_backend_variable_under_launch_is_a_one_line_error(tmp_path):

@@ -16,7 +16,7 @@ from conftest import PYTHON, WORKERS, horovodrun, load_results, run
 SCENARIOS = [
     "sgd_arrays", "sgd_dataset", "dataset_map_shuffled", "sgd_plain", "sum_reduction", "fp16_compression", "adam_schedule",
     "user_optimizer", "global_clipnorm", "gradient_accumulation", "loss_scale", "uneven_shards",
-    "evaluate_predict", "learning_rate_scaling", "batch_logs",
+    "evaluate_predict", "learning_rate_scaling", "batch_logs", "unreduced_optimizer",
 ]
 EQUIVALENT = ["sgd_arrays", "sgd_dataset", "dataset_map_shuffled", "sgd_plain", "adam_schedule", "user_optimizer", "global_clipnorm",
               "gradient_accumulation", "loss_scale"]
@@ -127,3 +127,11 @@ def test_gradient_accumulation_communicates_once_per_update(tmp_path):
     assert rank0["steps"] == 16  # micro-batches
     assert len(gradients) == 4 and all(name.endswith("of4") for name in gradients)  # 4 variables, one group
     assert set(gradients.values()) == {16 // 2}  # once per applied update
+
+
+def test_replicas_that_diverge_stop_after_the_first_epoch_in_one_line(runs):
+    ranks, single = runs("unreduced_optimizer")
+    assert single["error"] is None  # one process: nothing to compare
+    for rank in ranks:
+        assert rank["error"].startswith("after epoch 1 the trainable weights of worker(s) [1] differ from the chief's")
+        assert "\n" not in rank["error"]

@@ -29,12 +29,10 @@ PATTERNS = EXACT + AGREE
 SYNCHRONOUS = ["keras_dist_1", "horovod_2", "mwms_2"]
 # Logs known to differ from one process (open: see the README's troubleshooting). Under
 # tf.distribute Keras divides losses by the replica count and a custom train_step's own
-# loss tracker keeps that; MultiWorkerMirrored's per-output loss trackers count extra
-# updates in evaluate. Weights and every other log must still match.
+# loss tracker keeps that. Weights and every other log must still match.
 KNOWN_GAPS = {
     ("mwms_2", "custom_compile_two_optimizers"): ["history.loss"],
     ("mwms_2", "custom_train_step"): ["history.loss"],
-    ("mwms_2", "dict_inputs_two_outputs"): ["evaluate.label_loss", "evaluate.score_loss"],
 }
 
 
