@@ -5,6 +5,8 @@ Keras class), and has a test in `tests/` that asserts plain Keras still fails: w
 test fails, upstream fixed the bug and the workaround can go.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -117,7 +119,9 @@ def step_functions(model, strategy):
 
         @tf.function(reduce_retracing=True, jit_compile=model.jit_compile)
         def one_step(data):
-            return reduce_logs(strategy.run(replica_step, args=(data,)))
+            with losses_not_divided(strategy):
+                outputs = strategy.run(replica_step, args=(data,))
+            return reduce_logs(outputs)
 
         @tf.function(reduce_retracing=True)
         def steps(iterator):
@@ -142,6 +146,33 @@ def step_functions(model, strategy):
         return steps
 
     override(model, "_make_function", _make_function)
+
+
+@contextlib.contextmanager
+def losses_not_divided(strategy):
+    """While tracing a step, Keras does not divide losses by the number of replicas.
+
+    Upstream design (keras/src/losses/loss.py, `scale_loss_for_distribution`): under
+    tf.distribute every Keras loss is divided by `num_replicas_in_sync` so that the
+    strategy's sum of gradients is a mean, and only Keras's own `train_step` multiplies
+    its logged loss back. A custom `train_step` that logs `tracker.update_state(loss)`
+    (Keras's guide) then logs 1/N of the loss, and one that computes its loss with plain
+    ops gets N times the gradient. keras_dist's MultiWorkerMirrored and Mirrored
+    strategies (`tf_strategy.with_undivided_losses`) report one replica while a step is
+    traced, so losses stay as one process computes them, and their optimizers divide
+    each replica's gradients by the replica count instead. Other strategies are left as
+    they are.
+    """
+    from keras_dist.backends.tf_strategy import UNDIVIDED_LOSSES
+
+    if not hasattr(strategy, UNDIVIDED_LOSSES):
+        yield
+        return
+    setattr(strategy, UNDIVIDED_LOSSES, True)
+    try:
+        yield
+    finally:
+        setattr(strategy, UNDIVIDED_LOSSES, False)
 
 
 def _read_variable(value):

@@ -27,13 +27,6 @@ EXACT = ["compile_twice", "custom_compile_two_optimizers", "custom_train_step", 
 AGREE = ["batchnorm_augmentation", "mixed_precision"]
 PATTERNS = EXACT + AGREE
 SYNCHRONOUS = ["keras_dist_1", "horovod_2", "mwms_2"]
-# Logs known to differ from one process (open: see the README's troubleshooting). Under
-# tf.distribute Keras divides losses by the replica count and a custom train_step's own
-# loss tracker keeps that. Weights and every other log must still match.
-KNOWN_GAPS = {
-    ("mwms_2", "custom_compile_two_optimizers"): ["history.loss"],
-    ("mwms_2", "custom_train_step"): ["history.loss"],
-}
 
 
 def launch(backend, argv, timeout):
@@ -89,30 +82,7 @@ def test_pattern_matches_one_plain_process(results, configuration, pattern):
         expected = dict(reference)
         if pattern == "callbacks" and rank > 0:  # files are the chief's alone (no scratch or partial ones)
             expected = {k: v for k, v in expected.items() if k not in ("csv", "best_predict", "files")}
-        gaps = KNOWN_GAPS.get((configuration, pattern), [])
-        assert_close(_without(result, gaps), _without(expected, gaps), f"{configuration} rank {rank} {pattern}")
-
-
-@pytest.mark.xfail(strict=True, reason="known gaps (KNOWN_GAPS): passes once they are fixed; then empty the table")
-@pytest.mark.parametrize("configuration, pattern", sorted(KNOWN_GAPS))
-def test_known_log_gaps_remain(results, configuration, pattern):
-    reference = results["plain_1"][pattern][0]
-    for path in KNOWN_GAPS[(configuration, pattern)]:
-        assert_close(_at(results[configuration][pattern][0], path), _at(reference, path), path)
-
-
-def _at(result, path):
-    for key in path.split("."):
-        result = result[key]
-    return result
-
-
-def _without(result, paths):
-    result = dict(result)
-    for path in paths:
-        outer, key = path.split(".")
-        result[outer] = {k: v for k, v in result[outer].items() if k != key}
-    return result
+        assert_close(result, expected, f"{configuration} rank {rank} {pattern}")
 
 
 @pytest.mark.parametrize("configuration", ["horovod_2", "mwms_2"])

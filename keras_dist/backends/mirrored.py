@@ -1,7 +1,7 @@
 """`tf.distribute.MirroredStrategy`: one process, one replica per local GPU (or CPU device)."""
 
 
-from keras_dist.backends.tf_strategy import StrategyBackend, local_replica_devices
+from keras_dist.backends.tf_strategy import StrategyBackend, local_replica_devices, with_undivided_losses
 
 
 def _visible_gpu_count(environ):
@@ -30,4 +30,4 @@ class MirroredBackend(StrategyBackend):
     def make_strategy(self):
         import tensorflow as tf
 
-        return tf.distribute.MirroredStrategy(local_replica_devices(self.name))
+        return with_undivided_losses(tf.distribute.MirroredStrategy)(local_replica_devices(self.name))

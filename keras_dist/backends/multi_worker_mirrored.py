@@ -16,7 +16,7 @@ import weakref
 
 import keras
 
-from keras_dist.backends.tf_strategy import StrategyBackend
+from keras_dist.backends.tf_strategy import StrategyBackend, with_undivided_losses
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, restore
 from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
@@ -200,7 +200,7 @@ def predict_locally(model, strategy):
 def _make_strategy():
     import tensorflow as tf
 
-    class PreShardedMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    class PreShardedMultiWorkerMirroredStrategy(with_undivided_losses(tf.distribute.MultiWorkerMirroredStrategy)):
         """Takes each worker's dataset as that worker's shard (keras_dist split it).
 
         TF would auto-shard the dataset again and split every batch across all the

@@ -49,16 +49,53 @@ class StrategyBackend(Backend):
         return model
 
     def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
-        # The strategy sums gradients of the loss Keras scales by 1/replicas: a mean.
+        # The strategy sums gradients; each replica's are divided by the replica count
+        # first (by Keras's loss scaling, or below where losses are not divided): a mean.
         if options.reduction != "mean":
             raise KerasDistError(
                 f"backend {self.name!r} always averages gradients across replicas; "
                 "drop gradient_reduction='sum' (or scale the loss yourself)"
             )
         adopt_optimizer(optimizer, self.strategy)
+        if hasattr(self.strategy, UNDIVIDED_LOSSES):
+            from keras_dist import optimizer_hooks
+
+            replicas = self.num_replicas
+            optimizer_hooks.reduce_gradients_before_update(optimizer, lambda grads: [_divided(g, replicas) for g in grads])
 
     def describe(self) -> dict:
         return {**super().describe(), "strategy": type(self.strategy).__name__}
+
+
+# The attribute of a strategy made by `with_undivided_losses`; see
+# `keras_workarounds.losses_not_divided`.
+UNDIVIDED_LOSSES = "keras_dist_one_replica_for_losses"
+
+
+def with_undivided_losses(strategy_class):
+    """`strategy_class` with a switch that makes it report one replica while set.
+
+    Keras divides every loss by `num_replicas_in_sync` inside a step; keras_dist sets the
+    switch while it traces a step, so losses and their logs are one process's, and
+    divides each replica's gradients instead (`StrategyBackend.distribute_optimizer`).
+    """
+
+    class UndividedLosses(strategy_class):
+        @property
+        def num_replicas_in_sync(self):
+            return 1 if getattr(self, UNDIVIDED_LOSSES) else super().num_replicas_in_sync
+
+    setattr(UndividedLosses, UNDIVIDED_LOSSES, False)
+    UndividedLosses.__name__ = strategy_class.__name__
+    return UndividedLosses
+
+
+def _divided(gradient, count):
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values / count, gradient.indices, gradient.dense_shape)
+    return gradient / tf.cast(count, gradient.dtype)
 
 
 def adopt_optimizer(optimizer, strategy):
