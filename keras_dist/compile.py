@@ -55,6 +55,7 @@ def compile(
     kwargs = {**backend.compile_defaults(), **kwargs}
     with backend.scope():
         model.compile(*args, **kwargs)
+    options = GradientOptions(gradient_reduction, gradient_compression)
     for optimizer in optimizer_hooks.optimizers_of(model):
         for part in (optimizer, getattr(optimizer, "inner_optimizer", None)):  # a LossScaleOptimizer's too
             if part is not None:
@@ -62,8 +63,8 @@ def compile(
         if scale_learning_rate:
             with backend.scope():
                 _scale_learning_rate(optimizer, backend.num_replicas)
-        backend.distribute_optimizer(optimizer, GradientOptions(gradient_reduction, gradient_compression))
-    training.attach(model, backend)
+        backend.distribute_optimizer(optimizer, options)
+    training.attach(model, backend, options)
 
 
 def _scale_learning_rate(optimizer, factor):

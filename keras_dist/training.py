@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from keras_dist import runtime, sharding
+from keras_dist import optimizer_hooks, runtime, sharding
 from keras_dist.backends.base import Backend
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
@@ -34,9 +34,11 @@ _INPUT_NAMES = ("x", "y", "sample_weight")
 class DistributedTraining:
     """The per-model state behind the wrapped methods."""
 
-    def __init__(self, model, backend):
+    def __init__(self, model, backend, gradient_options):
         self.model = model
         self.backend = backend
+        self.gradient_options = gradient_options
+        self.distributed_optimizers = {id(o) for o in optimizer_hooks.optimizers_of(model)}
         self.keras_fit = model.fit
         self.keras_evaluate = model.evaluate
         self.keras_predict = model.predict
@@ -120,6 +122,7 @@ class DistributedTraining:
         return arguments
 
     def fit(self, *args, **kwargs):
+        self._distribute_new_optimizers()
         arguments = self._worker_args(self.keras_fit, args, kwargs)
         if self.backend.reduces_in_keras_dist:
             self._choose_batch_logs(arguments["callbacks"])
@@ -154,6 +157,13 @@ class DistributedTraining:
         if isinstance(arguments["x"], sharding.ShardedPyDataset):  # consecutive batches: in rank order
             return tree.map_structure(lambda leaf: self.backend.allgather_array(np.asarray(leaf)), outputs)
         return sharding.gather_interleaved(self.backend, outputs, self.num_shards)
+
+    def _distribute_new_optimizers(self):
+        """Optimizers the model took after compile (`model.g_optimizer = ...`) reduce too."""
+        for optimizer in optimizer_hooks.optimizers_of(self.model):
+            if id(optimizer) not in self.distributed_optimizers:
+                self.backend.distribute_optimizer(optimizer, self.gradient_options)
+                self.distributed_optimizers.add(id(optimizer))
 
     def _choose_batch_logs(self, callbacks):
         """Sums metric states in every train step only if some worker's callback reads batch logs."""
@@ -299,9 +309,9 @@ def distribute_dataset(dataset, training=True):
                                   allgather=backend.allgather_object)
 
 
-def attach(model, backend):
+def attach(model, backend, gradient_options):
     """Makes `model.fit/evaluate/predict` run distributed on `backend`."""
-    training = DistributedTraining(model, backend)
+    training = DistributedTraining(model, backend, gradient_options)
     names = ["fit", "evaluate", "predict"]
     if backend.size > 1 and backend.run_loop.__func__ is Backend.run_loop:  # Keras's own loops read logs
         names += ["get_metrics_result", "_get_metrics_result_or_logs"]

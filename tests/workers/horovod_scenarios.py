@@ -184,14 +184,16 @@ def scenario_learning_rate_scaling():
     return {"lrs": counter.learning_rates}
 
 
-class LateOptimizer(keras.Model):
-    """Trains with an optimizer created after keras_dist.compile, which nothing reduces."""
+# An optimizer the model does not hold: keras_dist cannot find it, nothing reduces its updates.
+HIDDEN_OPTIMIZER = keras.optimizers.SGD(0.1)
 
+
+class HiddenOptimizer(keras.Model):
     def train_step(self, data):
         x, y = data
         with tf.GradientTape() as tape:
             loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-        self.late_optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        HIDDEN_OPTIMIZER.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
         return {"loss": loss}
 
 
@@ -199,10 +201,9 @@ def scenario_unreduced_optimizer():
     x, y = data(128, seed=ctx.rank)  # each rank its own data: unreduced updates differ
     keras.utils.set_random_seed(1000 + ctx.rank)
     inputs = keras.Input((6,))
-    m = LateOptimizer(inputs, keras.layers.Dense(3)(inputs))
+    m = HiddenOptimizer(inputs, keras.layers.Dense(3)(inputs))
     keras_dist.compile(m, optimizer=keras.optimizers.SGD(0.1),
                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    m.late_optimizer = keras.optimizers.SGD(0.1)
     try:
         m.fit(x, y, batch_size=BATCH, epochs=3, verbose=0)
     except keras_dist.KerasDistError as exc:
