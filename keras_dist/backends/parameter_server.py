@@ -31,7 +31,7 @@ from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_
 
 _SERVING_TASKS = ("worker", "ps")
 MIN_SHARD_BYTES_VAR = "KERAS_DIST_MIN_SHARD_BYTES"
-# Seconds a step may take before it runs again elsewhere (first steps trace the function).
+# Seconds a step may take before the job stops (first steps trace the function).
 STEP_TIMEOUT_VAR = "KERAS_DIST_STEP_TIMEOUT"
 DEFAULT_STEP_TIMEOUT = 120.0
 
@@ -89,8 +89,8 @@ class ParameterServerBackend(Backend):
             default: with `KERAS_DIST_MIN_SHARD_BYTES=N` set,
             `MinSizePartitioner(min_shard_bytes=N, max_shards=<number of ps tasks>)`,
             else none.
-        step_timeout: seconds a step may run before it is run again on another worker
-            (a frozen worker would otherwise stall the job silently); default
+        step_timeout: seconds a step may run before the job stops with a one-line
+            error (a frozen worker would otherwise stall it silently); default
             `KERAS_DIST_STEP_TIMEOUT`, else 120.
 
     Example:
@@ -246,7 +246,7 @@ class CoordinatedSteps:
         strategy: the `ParameterServerStrategy`.
         coordinator: its `ClusterCoordinator`.
         num_workers: how many workers share the steps (bounds the closures in flight).
-        step_timeout: seconds a step may take before it runs again on another worker.
+        step_timeout: seconds a step may take before the job stops with a one-line error.
     """
 
     def __init__(self, model, strategy, coordinator, num_workers=1, step_timeout=DEFAULT_STEP_TIMEOUT):
@@ -335,18 +335,19 @@ class CoordinatedSteps:
         return {name: float(value) if np.ndim(value) == 0 else np.asarray(value) for name, value in results.items()}
 
     def _fetch(self, remote, function, args, attempts=3):
-        """The value of a finished closure, running it again if its worker died or froze.
+        """The value of a finished closure, running it again if its worker died before handing it over.
 
         A closure's result stays on its worker until fetched; TensorFlow retries closures
         that fail, not results lost afterwards. A training batch rerun here trains twice,
         as one whose worker died mid-update does under TensorFlow's own retry. A step
-        that has not finished within `step_timeout` seconds (a frozen or stalled worker,
-        which TensorFlow would wait for forever) runs again on another worker; if that
-        one does not finish in time either, the job stops with a one-line error.
+        unfinished after `step_timeout` seconds (a frozen or stalled worker, which
+        TensorFlow would wait for forever) stops the job with a one-line error: running
+        it elsewhere does not help, as the coordinator's thread for that worker then
+        blocks the chief's next eager operation (seen here: `evaluate` hung after `fit`
+        had gone on without the frozen worker).
         """
         from tensorflow.python.distribute.coordinator.cluster_coordinator import _is_worker_failure
 
-        stalls = 0
         for attempt in range(attempts):
             try:
                 return _value_within(remote, self.step_timeout)
@@ -354,13 +355,10 @@ class CoordinatedSteps:
                 if not _is_worker_failure(error) or attempt == attempts - 1:
                     raise
             except TimeoutError:
-                stalls += 1
-                if stalls == 2:
-                    raise KerasDistError(
-                        f"a step did not finish within {self.step_timeout:g} s on any worker (frozen, stalled or "
-                        f"lost workers); check them, or raise {STEP_TIMEOUT_VAR} if steps are that slow") from None
-                print(f"keras_dist: a step has not finished within {self.step_timeout:g} s on its worker "
-                      "(frozen or stalled); it runs again on another worker", file=sys.stderr, flush=True)
+                raise KerasDistError(
+                    f"a step did not finish within {self.step_timeout:g} s: a worker is frozen or stalled, and "
+                    "TensorFlow cannot go on without it; restart it and rerun (BackupAndRestore resumes after the "
+                    f"last epoch), or raise {STEP_TIMEOUT_VAR} if steps are that slow") from None
             remote = self.coordinator.schedule(function, args=args)
 
     def _run(self, function, inputs, callbacks, hooks):
