@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-from keras_dist.overrides import override
+from keras_dist.overrides import override, set_while
 
 
 def apply(model, strategy):
@@ -148,7 +148,6 @@ def step_functions(model, strategy):
     override(model, "_make_function", _make_function)
 
 
-@contextlib.contextmanager
 def losses_not_divided(strategy):
     """While tracing a step, Keras does not divide losses by the number of replicas.
 
@@ -166,13 +165,8 @@ def losses_not_divided(strategy):
     from keras_dist.backends.tf_strategy import UNDIVIDED_LOSSES
 
     if not hasattr(strategy, UNDIVIDED_LOSSES):
-        yield
-        return
-    setattr(strategy, UNDIVIDED_LOSSES, True)
-    try:
-        yield
-    finally:
-        setattr(strategy, UNDIVIDED_LOSSES, False)
+        return contextlib.nullcontext()
+    return set_while(strategy, UNDIVIDED_LOSSES, True)
 
 
 def _read_variable(value):

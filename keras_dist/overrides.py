@@ -6,6 +6,8 @@ all, so compiling a model again (freeze, compile, fit; unfreeze, compile, fit) w
 Keras's own methods once more instead of wrapping the previous wrappers.
 """
 
+import contextlib
+
 _RECORD = "_keras_dist_overrides"
 
 
@@ -22,3 +24,14 @@ def restore(obj):
     """Removes every `override` of `obj`: its attributes are its class's again."""
     for name in obj.__dict__.pop(_RECORD, ()):
         obj.__dict__.pop(name, None)
+
+
+@contextlib.contextmanager
+def set_while(obj, name, value):
+    """Sets `obj.<name> = value` for the duration of a `with` block, then puts the old value back."""
+    previous = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, previous)

@@ -26,7 +26,7 @@ from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck
 from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
 from keras_dist.errors import KerasDistError
-from keras_dist.overrides import override
+from keras_dist.overrides import override, set_while
 
 _INPUT_NAMES = ("x", "y", "sample_weight")
 
@@ -228,14 +228,8 @@ class DistributedTraining:
                 warnings.filterwarnings("ignore", message="Your input ran out of data")
             yield
 
-    @contextlib.contextmanager
     def _flag(self, name):
-        previous = getattr(self, name)
-        setattr(self, name, True)
-        try:
-            yield
-        finally:
-            setattr(self, name, previous)
+        return set_while(self, name, True)
 
 
 def local_state(variable):
