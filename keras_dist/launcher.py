@@ -78,6 +78,7 @@ def run_tasks(tasks, out=None, poll_seconds=0.2):
         out.write(f"[keras-dist] ignoring {', '.join(inherited)} from the shell: each task gets its own\n")
     base = {k: v for k, v in os.environ.items() if k not in inherited}
     procs, pumps = [], []
+    terminate_with_parent = _parent_death_signal()
     previous_handler = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
         for task in tasks:
@@ -87,7 +88,7 @@ def run_tasks(tasks, out=None, poll_seconds=0.2):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: we can kill its children
-                preexec_fn=_terminate_with_parent,
+                preexec_fn=terminate_with_parent,
             )
             procs.append((task, proc))
             prefix = f"[{task.name}] " if task.prefix_output else ""
@@ -134,15 +135,17 @@ def _interrupt(signum, frame):
 _PR_SET_PDEATHSIG = 1
 
 
-def _terminate_with_parent():
-    """In the child, before exec: SIGTERM it when the launcher dies (Linux only)."""
+def _parent_death_signal():
+    """A function for the child, before exec, that asks Linux to SIGTERM it when the
+    launcher dies; None elsewhere. Looked up here, in the parent: after a fork, the child
+    of a threaded process (the launcher pumps output on threads) must not import."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
-
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def watch_launcher(environ, poll_seconds=1.0):
