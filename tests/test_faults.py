@@ -10,6 +10,7 @@ import time
 import zipfile
 
 import h5py
+import numpy as np
 import pytest
 
 from conftest import BIN, QUIET_ENV, WORKERS, run
@@ -54,6 +55,46 @@ def test_a_partial_backup_left_by_an_older_version_is_moved_aside_in_one_line(tm
     assert code == 0, out[-3000:]
     assert len([line for line in out.splitlines() if "cannot be read" in line]) == 1
     assert "epoch 0 begins" in out and "finished" in out
+
+
+class Crash(Exception):
+    """Stands for a process dying at that point."""
+
+
+def test_a_crash_between_the_backups_renames_resumes_from_a_consistent_state(tmp_path, monkeypatch):
+    import keras
+
+    from keras_dist.callbacks import atomic_writes
+
+    x = np.linspace(-1, 1, 16, dtype="float32").reshape(16, 1)
+
+    def fit(backup_dir, epochs):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+        begun = []
+        model.fit(x, 3 * x, batch_size=4, epochs=epochs, shuffle=False, verbose=0, callbacks=[
+            atomic_writes.make_writes_atomic(keras.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)),
+            keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: begun.append(epoch)),
+        ])
+        return model.get_weights(), begun
+
+    fit(tmp_path / "backup", 1)
+    publish = atomic_writes.publish
+
+    def crash_once_the_weights_are_in_place(partial, final):
+        publish(partial, final)
+        if final.endswith(".weights.h5"):
+            raise Crash
+
+    monkeypatch.setattr(atomic_writes, "publish", crash_once_the_weights_are_in_place)
+    with pytest.raises(Crash):
+        fit(tmp_path / "backup", 3)  # epoch 1's weights replaced, its metadata only staged
+    monkeypatch.undo()
+    weights, begun = fit(tmp_path / "backup", 3)
+    assert begun == [2]  # epoch 1 is not trained twice
+    for got, want in zip(weights, fit(tmp_path / "uninterrupted", 3)[0]):
+        np.testing.assert_allclose(got, want, atol=1e-6)
 
 
 def _job_pids(directory, count, deadline):

@@ -51,4 +51,4 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
 fi
 "$PYTHON" -m pip install -q --no-deps --force-reinstall "$cache"/horovod-*.whl
 "$PYTHON" -m pip install -q cloudpickle psutil pyyaml packaging >/dev/null
-"$PYTHON" -c 'import horovod.tensorflow as hvd' || { echo "error: the Horovod wheel does not import; delete $cache and rerun" >&2; exit 1; }
+TF_CPP_MIN_LOG_LEVEL=2 "$PYTHON" -c 'import horovod.tensorflow as hvd' || { echo "error: the Horovod wheel does not import; delete $cache and rerun" >&2; exit 1; }

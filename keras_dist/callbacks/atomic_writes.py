@@ -14,6 +14,7 @@ import keras
 from keras_dist.overrides import override
 
 _PARTIAL = ".keras_dist-partial-"
+_STAGED = ".keras_dist-staged"
 
 
 def make_writes_atomic(callback):
@@ -64,10 +65,17 @@ def _atomic_backup(callback):
             partials = [getattr(callback, n) for n in names]
             for name, final in zip(names, finals):
                 setattr(callback, name, final)
-        for partial, final in zip(partials, finals):  # weights first: metadata names their epoch
-            publish(partial, final)
+        # Weights and metadata are one state, committed in three renames: the metadata is
+        # staged, the weights replaced, then the staged metadata put in place. A crash
+        # between the last two leaves new weights beside old metadata, which would train an
+        # epoch twice; `_finish_interrupted_commit` completes that commit on the rerun.
+        (partial_weights, partial_metadata), (weights, metadata) = partials, finals
+        publish(partial_metadata, metadata + _STAGED)
+        publish(partial_weights, weights)
+        publish(metadata + _STAGED, metadata)
 
     def on_train_begin(logs=None):
+        _finish_interrupted_commit(callback._weights_path, callback._training_metadata_path)
         try:
             keras_train_begin(logs)
         except OSError as exc:  # h5py's error for a truncated file
@@ -82,6 +90,16 @@ def _atomic_backup(callback):
 
     override(callback, "_save_model", _save_model)
     override(callback, "on_train_begin", on_train_begin)
+
+
+def _finish_interrupted_commit(weights, metadata):
+    staged = metadata + _STAGED
+    if not os.path.exists(staged):
+        return
+    if os.path.exists(_partial(weights)):  # the crash came before the weights' rename
+        os.remove(staged)
+    else:
+        os.replace(staged, metadata)
 
 
 def _partial(path):
