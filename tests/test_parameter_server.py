@@ -285,4 +285,4 @@ def test_a_frozen_worker_stops_the_job_in_one_line_instead_of_stalling_it(tmp_pa
         os.killpg(cluster.procs["worker:1"].pid, signal.SIGCONT)
     assert code != 0 and time.monotonic() - frozen < 60
     errors = [line for line in out.splitlines() if line.startswith("keras_dist.errors.KerasDistError")]
-    assert errors and "did not finish within 5 s: a worker is frozen or stalled" in errors[0], out[-3000:]
+    assert errors and "did not finish within 5 s: /job:worker/task:1 is frozen or stalled" in errors[0], out[-3000:]

@@ -355,8 +355,10 @@ class CoordinatedSteps:
                 if not _is_worker_failure(error) or attempt == attempts - 1:
                     raise
             except TimeoutError:
+                worker = _worker_running(remote)
+                where = "a worker" if worker is None else f"/job:worker/task:{worker}"
                 raise KerasDistError(
-                    f"a step did not finish within {self.step_timeout:g} s: a worker is frozen or stalled, and "
+                    f"a step did not finish within {self.step_timeout:g} s: {where} is frozen or stalled, and "
                     "TensorFlow cannot go on without it; restart it and rerun (BackupAndRestore resumes after the "
                     f"last epoch), or raise {STEP_TIMEOUT_VAR} if steps are that slow") from None
             remote = self.coordinator.schedule(function, args=args)
@@ -517,6 +519,24 @@ def _value_within(remote, seconds):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def _worker_running(remote):
+    """The index of the worker running the closure behind `remote`, or None.
+
+    TensorFlow does not say; each worker's closure loop runs on a thread of the chief,
+    so the one whose `_process_closure` holds this closure is it.
+    """
+    threads = {t.ident: t.name for t in threading.enumerate() if t.name.startswith("WorkerClosureProcessingLoop-")}
+    for ident, frame in sys._current_frames().items():
+        if ident not in threads:
+            continue
+        while frame is not None:
+            closure = frame.f_locals.get("closure") if frame.f_code.co_name == "_process_closure" else None
+            if closure is not None and closure.maybe_call_with_output_remote_value(lambda value: value is remote):
+                return int(threads[ident].rsplit("-", 1)[1])
+            frame = frame.f_back
+    return None
 
 
 def _train_step_over_shards(model):
