@@ -191,8 +191,10 @@ def test_losing_a_ps_stops_the_job_and_a_rerun_resumes_from_the_last_epoch(tmp_p
     cluster = cluster_factory(1, 1, argv)
     cluster.wait_for_line("epoch 1 begin", timeout=240)  # epoch 0 is in the backup
     cluster.kill("ps:0")
+    killed = time.monotonic()
     code, out = cluster.wait_chief(timeout=180)
     assert code != 0
+    print(f"ps:0 killed mid-epoch 1: the chief ended {time.monotonic() - killed:.1f} s later")
     errors = [line for line in out.splitlines() if line.startswith("keras_dist.errors.KerasDistError")]
     assert errors and "restart the job" in errors[0], out[-3000:]
     cluster.close()
@@ -284,5 +286,6 @@ def test_a_frozen_worker_stops_the_job_in_one_line_instead_of_stalling_it(tmp_pa
     finally:
         os.killpg(cluster.procs["worker:1"].pid, signal.SIGCONT)
     assert code != 0 and time.monotonic() - frozen < 60
+    print(f"worker:1 frozen mid-epoch 1: the chief ended {time.monotonic() - frozen:.1f} s later (step timeout 5 s)")
     errors = [line for line in out.splitlines() if line.startswith("keras_dist.errors.KerasDistError")]
     assert errors and "did not finish within 5 s: /job:worker/task:1 is frozen or stalled" in errors[0], out[-3000:]
