@@ -162,7 +162,7 @@ def watch_launcher(environ, poll_seconds=1.0):
     def watch():
         while True:
             time.sleep(poll_seconds)
-            if _ended(launcher):
+            if process_ended(launcher):
                 try:
                     sys.stderr.write("keras_dist: the launcher is gone; this task stops\n")
                     sys.stderr.flush()
@@ -173,7 +173,7 @@ def watch_launcher(environ, poll_seconds=1.0):
     threading.Thread(target=watch, name="keras_dist-launcher-watch", daemon=True).start()
 
 
-def _ended(pid):
+def process_ended(pid):
     """Whether process `pid` has ended: gone, or a zombie its parent has not reaped yet."""
     try:
         os.kill(pid, 0)

@@ -46,7 +46,9 @@ ENDS_WITHIN = {"kill": 30, "freeze": 60}
 
 def start(backend, directory, *fault):
     """Starts the worker on 2 processes; returns their `Popen`s (one: horovodrun)."""
-    base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    temp = directory.parent / "tmp"
+    temp.mkdir(exist_ok=True)
+    base = {**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, "TMPDIR": str(temp)}
     argv = [PYTHON, WORKER, directory, EPOCHS, *fault]
     if backend == "horovod":
         # A frozen rank is noticed when a collective waits this long (default 30 s: the job
@@ -130,6 +132,8 @@ def test_every_fault_ends_the_job_in_bounded_time_and_a_rerun_loses_no_completed
         rows.append((case, seconds, run + 1))
 
     run_to_completion(backend, directory)
+    # Killed MWMS workers leave their scratch copies of the model; the next run removes them.
+    assert not list((tmp_path / "tmp").glob("keras_dist_scratch_*"))
     for r in range(2):
         assert epochs_begun(directory, r) == [len(CHAIN), len(CHAIN) + 1]
         with np.load(directory / f"weights.{r}.npz") as got, np.load(uninterrupted / f"weights.{r}.npz") as want:

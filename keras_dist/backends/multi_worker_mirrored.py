@@ -6,6 +6,7 @@ replica its own batches.
 """
 
 import copy
+import glob
 import json
 import os
 import pickle
@@ -18,6 +19,7 @@ import keras
 
 from keras_dist.backends.tf_strategy import StrategyBackend, with_undivided_losses
 from keras_dist.errors import KerasDistError
+from keras_dist.launcher import process_ended
 from keras_dist.overrides import override, restore
 from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
 
@@ -231,6 +233,17 @@ def _make_strategy():
         ) from None
 
 
+_SCRATCH_PREFIX = "keras_dist_scratch_"
+
+
+def _remove_scratch_of_ended_processes():
+    """Removes scratch directories (whole model copies) that killed processes left behind."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), _SCRATCH_PREFIX + "*_*")):
+        pid = os.path.basename(path)[len(_SCRATCH_PREFIX):].split("_", 1)[0]
+        if pid.isdigit() and process_ended(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class ScratchCallback(keras.callbacks.Callback):
     """Runs a copy of a file-writing callback against a temporary directory.
 
@@ -251,7 +264,8 @@ class ScratchCallback(keras.callbacks.Callback):
 
     def __init__(self, callback):
         super().__init__()
-        self.directory = tempfile.mkdtemp(prefix="keras_dist_scratch_")
+        _remove_scratch_of_ended_processes()
+        self.directory = tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}_")
         # Also gone when the run fails or the process exits without reaching the end.
         weakref.finalize(self, shutil.rmtree, self.directory, True)
         model = vars(callback).get("_model")
