@@ -28,8 +28,11 @@ def _info(args):
     import keras
     import tensorflow as tf
 
+    from keras_dist import environments
+
     name, reason = backends.select()
-    facts = {"backend": name, "why": reason, "tensorflow": tf.__version__, "keras": keras.__version__,
+    facts = {"backend": name, "why": reason, **environments.detect(os.environ).describe(),
+             "keras_backend": keras.backend.backend(), "tensorflow": tf.__version__, "keras": keras.__version__,
              "devices": [d.name for d in tf.config.list_logical_devices()]}
     try:
         import horovod.tensorflow as hvd

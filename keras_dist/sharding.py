@@ -29,6 +29,7 @@ in input order.
 """
 
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -101,17 +102,28 @@ def shard_dataset(dataset, num_shards, index, pad, batch_multiplier=1, files=Tru
             file shards; None for a single process (tests).
     """
     already_sharded = dataset.options().experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.OFF
+    equal_steps = False
     if num_shards > 1 and not already_sharded:
         try:
-            dataset = Pipeline(dataset).sharded(num_shards, index, pad, files, allgather)
+            pipeline = Pipeline(dataset)
+            equal_steps = pad and pipeline.steps_follow_elements()
+            dataset = pipeline.sharded(num_shards, index, pad, files, allgather)
         except _Unrewritable as exc:
             warnings.warn(f"keras_dist cannot shard this tf.data pipeline at its source ({exc}); every worker runs "
                           "all of it and keeps its share", stacklevel=2)
             dataset = _shard_after_pipeline(dataset, num_shards, index, pad)
-    if batch_multiplier == 1:
-        return dataset
-    own_batch, drop_remainder = dataset_batch_size(dataset)
-    return dataset.rebatch(own_batch * batch_multiplier, drop_remainder=drop_remainder)
+            equal_steps = pad
+    if batch_multiplier > 1:
+        own_batch, drop_remainder = dataset_batch_size(dataset)
+        dataset = dataset.rebatch(own_batch * batch_multiplier, drop_remainder=drop_remainder)
+    if equal_steps:
+        EQUAL_STEPS.add(dataset)
+    return dataset
+
+
+# Shards known to give every process the same number of batches of the same sizes, so a
+# strategy need not agree at every step whether every worker still has data.
+EQUAL_STEPS = weakref.WeakSet()
 
 
 def _shard_after_pipeline(dataset, num_shards, index, pad):
@@ -182,6 +194,11 @@ class Pipeline:
                 raise _Unrewritable("it batches inside a function")
             raise _not_batched()
         self.first_batch = batches[0]
+
+    def steps_follow_elements(self):
+        """Whether equal element counts per shard give equal batches: nothing after the
+        first batch drops, adds or regroups elements."""
+        return all(node.op in _ELEMENTWISE_OPS | _SHUFFLE_OPS | _CACHE_OPS for node in self.chain[self.first_batch + 1:])
 
     def _chain(self):
         chain = [self.nodes[_node_name(self.output.input[0])]]

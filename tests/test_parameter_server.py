@@ -289,3 +289,31 @@ def test_a_frozen_worker_stops_the_job_in_one_line_instead_of_stalling_it(tmp_pa
     print(f"worker:1 frozen mid-epoch 1: the chief ended {time.monotonic() - frozen:.1f} s later (step timeout 5 s)")
     errors = [line for line in out.splitlines() if line.startswith("keras_dist.errors.KerasDistError")]
     assert errors and "did not finish within 5 s: /job:worker/task:1 is frozen or stalled" in errors[0], out[-3000:]
+
+
+ENDLESS_PIPELINE = """
+import sys
+import numpy as np, keras, tensorflow as tf, keras_dist
+
+def preprocess(x, y):
+    tf.print("preprocessed", output_stream=sys.stderr)
+    return x * 2.0, y
+
+x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+dataset = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).shuffle(64).repeat().map(preprocess).batch(4)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+keras_dist.compile(model, optimizer="sgd", loss="mse")
+model.fit(dataset, steps_per_epoch=20, epochs=2, verbose=0)
+print("trained", int(model.optimizer.iterations.numpy()))
+"""
+
+
+def test_an_endless_dataset_is_read_and_preprocessed_by_the_workers_not_the_chief(tmp_path):
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS_PIPELINE)
+    code, out = launch(2, 1, [script], timeout=300)
+    assert code == 0 and "[chief:0] trained 40" in out, out[-3000:]
+    counts = {task: sum(1 for line in out.splitlines() if line.startswith(f"[{task}] preprocessed"))
+              for task in ("chief:0", "worker:0", "worker:1")}
+    assert counts["worker:0"] + counts["worker:1"] >= 40 * 4, counts
+    assert counts["chief:0"] <= 4, counts  # one batch, to build the model

@@ -9,11 +9,8 @@ import os
 import sys
 
 from keras_dist.backends.base import Backend, GradientOptions
+from keras_dist.environments import MPIEnvironment
 from keras_dist.errors import KerasDistError
-
-# Variables set by horovodrun (Gloo) or by mpirun (Open MPI, MPICH) for each process.
-_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-_LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
 def _import_horovod():
@@ -47,13 +44,13 @@ class HorovodBackend(Backend):
 
     @classmethod
     def detect(cls, environ) -> bool:
-        return any(var in environ for var in _RANK_VARS)
+        return MPIEnvironment.detect(environ)
 
     @classmethod
     def prepare_process(cls, environ) -> None:
         # N processes on one host would each start a thread pool as wide as the machine;
         # give each its share of the cores unless the user chose.
-        local_size = next((int(environ[v]) for v in _LOCAL_SIZE_VARS if v in environ), 1)
+        local_size = MPIEnvironment.from_environ(environ).local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_size))
 

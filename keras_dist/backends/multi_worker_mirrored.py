@@ -18,12 +18,12 @@ import weakref
 import keras
 
 from keras_dist.backends.tf_strategy import StrategyBackend, with_undivided_losses
+from keras_dist.environments import TFConfigEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.launcher import process_ended
-from keras_dist.overrides import override, restore
+from keras_dist.overrides import override, restore, set_while
 from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
 
-_MEMBERS = ("chief", "worker")  # task types that train; "evaluator" does not
 # Created by `prepare_process`: collective ops must be configured at program start-up.
 _strategy = None
 
@@ -49,11 +49,10 @@ class MultiWorkerMirroredBackend(StrategyBackend):
     @classmethod
     def prepare_process(cls, environ) -> None:
         global _strategy
-        cluster, _, _ = parse_tf_config(environ["TF_CONFIG"])
-        local = [a for kind in _MEMBERS for a in cluster.get(kind, []) if a.startswith(("127.", "localhost"))]
-        if len(local) > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
+        local_size = TFConfigEnvironment.from_environ(environ).local_size
+        if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             # Workers sharing this machine would each size a thread pool for all of it.
-            environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(local)))
+            environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_size))
         if _strategy is None:
             prepare_server_process(environ)
             _strategy = _make_strategy()
@@ -74,11 +73,11 @@ class MultiWorkerMirroredBackend(StrategyBackend):
         ]
 
     def __init__(self):
-        cluster, kind, index = parse_tf_config(os.environ.get("TF_CONFIG", ""))
-        members = [(k, i) for k in _MEMBERS for i in range(len(cluster.get(k, [])))]
-        if (kind, index) not in members:
+        environment = TFConfigEnvironment.from_environ(os.environ)
+        if environment.rank >= environment.size:
+            kind = parse_tf_config(os.environ["TF_CONFIG"])[1]
             raise KerasDistError(f"TF_CONFIG task {kind!r} does not train under backend 'multi_worker_mirrored'; run it as a 'worker'")
-        self._rank, self._size = members.index((kind, index)), len(members)
+        self._rank, self._size = environment.rank, environment.size
         super().__init__()
 
     def make_strategy(self):
@@ -213,6 +212,7 @@ def _make_strategy():
         def experimental_distribute_dataset(self, dataset, options=None):
             from keras_dist import sharding
 
+            equal_steps = dataset in sharding.EQUAL_STEPS
             local = len(self.extended.worker_devices)
             no_autoshard = tf.data.Options()
             no_autoshard.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
@@ -220,7 +220,13 @@ def _make_strategy():
             if local > 1:
                 batch, _ = sharding.dataset_batch_size(dataset)
                 dataset = dataset.rebatch(-(-batch // local))
-            return self.distribute_datasets_from_function(lambda _: dataset, options)
+            if not equal_steps:
+                return self.distribute_datasets_from_function(lambda _: dataset, options)
+            # Every worker has batches of the same sizes (keras_dist padded the shards), so
+            # the all-reduce tf.distribute runs at every step, asking whether every worker
+            # still has data, can go.
+            with set_while(self.extended, "experimental_enable_get_next_as_optional", False):
+                return self.distribute_datasets_from_function(lambda _: dataset, options)
 
     try:
         return PreShardedMultiWorkerMirroredStrategy()

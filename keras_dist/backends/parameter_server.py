@@ -73,10 +73,11 @@ class ParameterServerBackend(Backend):
     TF_CONFIG on each task of a cluster with one `chief`, `worker` and `ps` tasks. The
     chief runs the script; workers and ps tasks serve from `import keras_dist` on.
 
-    Inputs: NumPy arrays and `tf.data` datasets are read by the chief and each batch is
-    trained exactly once per epoch by whichever worker is free; a dataset function
-    (`fn(input_context) -> tf.data.Dataset`) is built on every worker instead and needs
-    `steps_per_epoch`. `evaluate` and `predict` count every example exactly once,
+    Inputs: NumPy arrays and finite `tf.data` datasets are read by the chief and each
+    batch is trained exactly once per epoch by whichever worker is free; an endless
+    dataset with `steps_per_epoch`, and a dataset function
+    (`fn(input_context) -> tf.data.Dataset`, which needs `steps_per_epoch`), are built
+    on every worker instead, which then reads and preprocesses its own copy. `evaluate` and `predict` count every example exactly once,
     even when a worker is lost mid-way.
 
     Variables are placed whole, round-robin over the ps tasks, unless a partitioner
@@ -414,16 +415,20 @@ class CoordinatedSteps:
         if validation_split:
             raise KerasDistError("validation_split needs NumPy arrays under backend 'parameter_server'; "
                                  "pass validation_data instead")
-        per_worker_input = callable(x) and not isinstance(x, tf.data.Dataset)
+        dataset_function = callable(x) and not isinstance(x, tf.data.Dataset)
+        per_worker_input = dataset_function or _rebuildable_on_workers(x, steps_per_epoch)
         if per_worker_input:
             if steps_per_epoch is None:
                 raise KerasDistError("a dataset function is built on every worker and has no known length; "
                                      "pass steps_per_epoch to fit")
-            iterator = iter(self.coordinator.create_per_worker_dataset(
-                lambda: self.strategy.distribute_datasets_from_function(x)))
+            if dataset_function:
+                iterator = iter(self.coordinator.create_per_worker_dataset(
+                    lambda: self.strategy.distribute_datasets_from_function(x)))
+            else:  # TensorFlow sends the pipeline's graph to every worker, which reads and preprocesses
+                iterator = iter(self.coordinator.create_per_worker_dataset(x))
             dataset = None
             if not model.built or not model.optimizer.built:
-                self._build(self._first_batch(x(tf.distribute.InputContext())), "train")
+                self._build(self._first_batch(x(tf.distribute.InputContext()) if dataset_function else x), "train")
         else:
             dataset = self._adapter(x, y, sample_weight, batch_size, steps_per_epoch, shuffle,
                                     class_weight).get_tf_dataset()
@@ -554,6 +559,23 @@ def _train_step_over_shards(model):
             raise KerasDistError(f"the optimizer's {option} cannot update variables the variable_partitioner split; "
                                  f"drop {option} or variable_partitioner")
     return train_step
+
+
+def _rebuildable_on_workers(x, steps_per_epoch):
+    """Whether `fit` can have each worker build its own copy of dataset `x`.
+
+    Only an endless dataset (it repeats) with `steps_per_epoch`: epochs are counted in
+    steps, so copies on several workers change nothing but who preprocesses. A finite
+    one is read by the chief, which trains each batch once per epoch. A pipeline that
+    runs Python (`from_generator`, `py_function`) cannot travel to the workers.
+    """
+    if not isinstance(x, tf.data.Dataset) or steps_per_epoch is None or x.cardinality() != tf.data.INFINITE_CARDINALITY:
+        return False
+    try:
+        x._as_serialized_graph(external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL)
+    except (tf.errors.OpError, ValueError, TypeError):
+        return False
+    return True
 
 
 def _known_length(dataset):

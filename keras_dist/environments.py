@@ -1,0 +1,212 @@
+"""Cluster environments: who this process is in its job, read from what its launcher set.
+
+One class per launcher. `detect(environ)` says whether the launcher started this process;
+`from_environ(environ)` reads its place: rank and size among the processes that train,
+local rank and size on this machine, and the coordinator's `host:port` where the launcher
+names one (the rendezvous JAX's and torch's process groups need). Nothing here starts or
+imports a framework, so reading the environment is cheap and safe for tools.
+
+Example:
+
+```python
+env = detect(os.environ)   # the first environment whose launcher is present
+print(env.name, env.rank, env.size, env.is_chief, env.coordinator)
+```
+"""
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from keras_dist.errors import KerasDistError
+
+
+@dataclass(frozen=True)
+class ClusterEnvironment:
+    """This process's place in its job.
+
+    Args:
+        rank: index among the `size` processes that train (0 is the chief).
+        size: how many processes train.
+        local_rank: index among those on this machine.
+        local_size: how many of them run on this machine.
+        coordinator: `host:port` of the job's rendezvous, where the launcher gives one.
+    """
+
+    name: ClassVar[str] = ""
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    coordinator: str | None = None
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    # Variables that, all present, show this environment's launcher started the process.
+    REQUIRED: ClassVar[tuple] = ()
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        """Whether this environment's launcher started the process."""
+        return all(name in environ for name in cls.REQUIRED)
+
+    @classmethod
+    def from_environ(cls, environ) -> "ClusterEnvironment":
+        """The process's place, read from `environ`; a one-line error names a bad value."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"cluster_environment": self.name, "rank": self.rank, "size": self.size,
+                "local_rank": self.local_rank, "local_size": self.local_size, "coordinator": self.coordinator}
+
+
+def _first(environ, names, default=None):
+    """The integer value of the first of `names` set in `environ`."""
+    for name in names:
+        if name in environ:
+            try:
+                return int(environ[name])
+            except ValueError:
+                raise KerasDistError(f"{name}={environ[name]!r} is not an integer; unset it or fix the launcher") from None
+    return default
+
+
+class MPIEnvironment(ClusterEnvironment):
+    """`horovodrun` (Gloo or MPI) and `mpirun` (Open MPI, MPICH/Intel MPI through PMI)."""
+
+    name = "mpi"
+    RANK = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    SIZE = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    LOCAL_RANK = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+    LOCAL_SIZE = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        return any(name in environ for name in cls.RANK)
+
+    @classmethod
+    def from_environ(cls, environ):
+        rank = _first(environ, cls.RANK, 0)
+        return cls(rank=rank, size=_first(environ, cls.SIZE, rank + 1),
+                   local_rank=_first(environ, cls.LOCAL_RANK, 0), local_size=_first(environ, cls.LOCAL_SIZE, 1))
+
+
+class TFConfigEnvironment(ClusterEnvironment):
+    """`TF_CONFIG` (tf.distribute's multi-worker and parameter-server jobs, `keras-dist launch`).
+
+    The processes that train are the `chief` task, if any, then the `worker` tasks; a
+    `ps` or `evaluator` task gets its index within its own kind and is never the chief.
+    Processes are on the same machine when their addresses name the same host.
+    """
+
+    name = "tf_config"
+    TRAINERS = ("chief", "worker")
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        return bool(environ.get("TF_CONFIG"))
+
+    @classmethod
+    def from_environ(cls, environ):
+        from keras_dist.tf_cluster import parse_tf_config  # no TensorFlow import: it parses JSON
+
+        cluster, kind, index = parse_tf_config(environ.get("TF_CONFIG", ""))
+        trainers = [address for k in cls.TRAINERS for address in cluster.get(k, [])]
+        me = cluster[kind][index]
+        members = trainers if kind in cls.TRAINERS else cluster[kind]
+        rank = members.index(me)
+        host = me.rsplit(":", 1)[0]
+        same_host = [address for address in members if address.rsplit(":", 1)[0] == host]
+        if kind not in cls.TRAINERS:
+            # Not a trainer: a rank past the trainers', so that it is never the chief.
+            rank += len(trainers)
+        return cls(rank=rank, size=len(trainers), local_rank=same_host.index(me), local_size=len(same_host),
+                   coordinator=trainers[0] if trainers else None)
+
+
+class TorchrunEnvironment(ClusterEnvironment):
+    """`torchrun` / `torch.distributed.launch`, and launchers that mimic them."""
+
+    name = "torchrun"
+    REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+    @classmethod
+    def from_environ(cls, environ):
+        return cls(rank=_first(environ, ["RANK"]), size=_first(environ, ["WORLD_SIZE"]),
+                   local_rank=_first(environ, ["LOCAL_RANK"], 0), local_size=_first(environ, ["LOCAL_WORLD_SIZE"], 1),
+                   coordinator=f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}")
+
+
+class SlurmEnvironment(ClusterEnvironment):
+    """`srun`: one task per process. The coordinator is the step's first node, on port
+    `KERAS_DIST_COORDINATOR_PORT`, else one derived from the job id (distinct per job)."""
+
+    name = "slurm"
+    REQUIRED = ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID")  # an `srun` step's tasks, not the batch script
+
+    @classmethod
+    def from_environ(cls, environ):
+        port = _first(environ, ["KERAS_DIST_COORDINATOR_PORT"]) or 10000 + _first(environ, ["SLURM_JOB_ID"], 0) % 20000
+        nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        return cls(rank=_first(environ, ["SLURM_PROCID"]), size=_first(environ, ["SLURM_STEP_NUM_TASKS"]),
+                   local_rank=_first(environ, ["SLURM_LOCALID"], 0),
+                   local_size=_tasks_on_first_node(environ.get("SLURM_STEP_TASKS_PER_NODE", "1")),
+                   coordinator=f"{first_host(nodes)}:{port}" if nodes else None)
+
+
+def first_host(nodelist):
+    """The first host of a Slurm node list: `node[03-05,9],gpu1` -> `node03`."""
+    match = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist)
+    if not match:
+        raise KerasDistError(f"cannot read the Slurm node list {nodelist!r}; set RANK, WORLD_SIZE, MASTER_ADDR "
+                             "and MASTER_PORT as torchrun does instead")
+    return match.group(1) + (match.group(2) or "")
+
+
+def _tasks_on_first_node(tasks_per_node):
+    """Slurm's `2(x3),1` -> 2 (this module assumes the same count on every node)."""
+    match = re.match(r"(\d+)", tasks_per_node)
+    return int(match.group(1)) if match else 1
+
+
+class KerasDistributionEnvironment(ClusterEnvironment):
+    """The variables `keras.distribution.initialize` reads (its JAX coordinator):
+    `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the first is the coordinator),
+    `KERAS_DISTRIBUTION_NUM_PROCESSES` and `KERAS_DISTRIBUTION_PROCESS_ID`."""
+
+    name = "keras_distribution"
+    REQUIRED = ("KERAS_DISTRIBUTION_PROCESS_ID", "KERAS_DISTRIBUTION_NUM_PROCESSES")
+
+    @classmethod
+    def from_environ(cls, environ):
+        addresses = [a for a in environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "").split(",") if a]
+        return cls(rank=_first(environ, ["KERAS_DISTRIBUTION_PROCESS_ID"]),
+                   size=_first(environ, ["KERAS_DISTRIBUTION_NUM_PROCESSES"]),
+                   coordinator=addresses[0] if addresses else None)
+
+
+class LocalEnvironment(ClusterEnvironment):
+    """One process, started without a launcher."""
+
+    name = "local"
+
+    @classmethod
+    def from_environ(cls, environ):
+        return cls()
+
+
+# Detection order: the first whose launcher is present wins. `horovodrun` under `srun`
+# sets both, and Horovod's own variables describe the processes that train.
+ENVIRONMENTS = (MPIEnvironment, TFConfigEnvironment, TorchrunEnvironment, SlurmEnvironment,
+                KerasDistributionEnvironment, LocalEnvironment)
+
+
+def detect(environ) -> ClusterEnvironment:
+    """The environment of the launcher that started this process (`LocalEnvironment` if none)."""
+    environment = next(cls for cls in ENVIRONMENTS if cls.detect(environ)).from_environ(environ)
+    if environment.size < 1 or environment.rank < 0:
+        raise KerasDistError(f"{environment.name}: rank {environment.rank} of {environment.size} processes makes no "
+                             "sense; fix the launcher's variables")
+    return environment
