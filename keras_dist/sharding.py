@@ -170,6 +170,28 @@ class _Unrewritable(Exception):
     """The pipeline cannot be split inside (it is not serializable, or has no linear chain)."""
 
 
+def dataset_graph(dataset):
+    """The `GraphDef` of `dataset`'s ops (random ops and other state included as they are)."""
+    try:
+        serialized = dataset._as_serialized_graph(external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE)
+        return graph_pb2.GraphDef.FromString(serialized.numpy())
+    except (tf.errors.OpError, ValueError, TypeError) as exc:
+        raise _Unrewritable(str(exc).splitlines()[0]) from None
+
+
+_PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc"}  # from_generator, py_function, numpy_function
+
+
+def runs_python(dataset):
+    """Whether `dataset` calls Python (it then cannot run in another process), or cannot be serialized."""
+    try:
+        graph = dataset_graph(dataset)
+    except _Unrewritable:
+        return True
+    nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
+    return any(node.op in _PYTHON_OPS for node in nodes)
+
+
 class Pipeline:
     """A `tf.data.Dataset` as the `GraphDef` of its ops, to insert a split into.
 
@@ -179,11 +201,7 @@ class Pipeline:
 
     def __init__(self, dataset):
         self.element_spec = dataset.element_spec
-        try:
-            serialized = dataset._as_serialized_graph(external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE)
-            self.graph = graph_pb2.GraphDef.FromString(serialized.numpy())
-        except (tf.errors.OpError, ValueError, TypeError) as exc:
-            raise _Unrewritable(str(exc).splitlines()[0]) from None
+        self.graph = dataset_graph(dataset)
         self.nodes = {node.name: node for node in self.graph.node}
         self.output = next(node for node in self.graph.node if node.op == "_Retval")
         self.chain = self._chain()  # source first

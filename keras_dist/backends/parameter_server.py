@@ -569,13 +569,11 @@ def _rebuildable_on_workers(x, steps_per_epoch):
     one is read by the chief, which trains each batch once per epoch. A pipeline that
     runs Python (`from_generator`, `py_function`) cannot travel to the workers.
     """
+    from keras_dist import sharding
+
     if not isinstance(x, tf.data.Dataset) or steps_per_epoch is None or x.cardinality() != tf.data.INFINITE_CARDINALITY:
         return False
-    try:
-        x._as_serialized_graph(external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL)
-    except (tf.errors.OpError, ValueError, TypeError):
-        return False
-    return True
+    return not sharding.runs_python(x)
 
 
 def _known_length(dataset):
