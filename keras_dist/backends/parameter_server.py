@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, optimizer_hooks
+from keras_dist import keras_workarounds, optimizer_hooks, sharding
 from keras_dist.backends.base import Backend, GradientOptions
 from keras_dist.backends.tf_strategy import adopt_optimizer, move_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
@@ -77,7 +77,8 @@ class ParameterServerBackend(Backend):
     batch is trained exactly once per epoch by whichever worker is free; an endless
     dataset with `steps_per_epoch`, and a dataset function
     (`fn(input_context) -> tf.data.Dataset`, which needs `steps_per_epoch`), are built
-    on every worker instead, which then reads and preprocesses its own copy. `evaluate` and `predict` count every example exactly once,
+    on every worker instead, which then reads and preprocesses its own copy.
+    `evaluate` and `predict` count every example exactly once,
     even when a worker is lost mid-way.
 
     Variables are placed whole, round-robin over the ps tasks, unless a partitioner
@@ -569,8 +570,6 @@ def _rebuildable_on_workers(x, steps_per_epoch):
     one is read by the chief, which trains each batch once per epoch. A pipeline that
     runs Python (`from_generator`, `py_function`) cannot travel to the workers.
     """
-    from keras_dist import sharding
-
     if not isinstance(x, tf.data.Dataset) or steps_per_epoch is None or x.cardinality() != tf.data.INFINITE_CARDINALITY:
         return False
     return not sharding.runs_python(x)
