@@ -21,7 +21,7 @@ stamp=".venv/.deps-$(cat setup.cfg setup.py keras_dist/bind_loopback.c tools/bui
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then tf="tf-gpu"; else tf="tf-cpu"; fi
-  .venv/bin/python -m pip install -q -e ".[$tf,tfds,test]"
+  .venv/bin/python -m pip install -q -e ".[$tf,tfds,jax,test]"
   PYTHON=.venv/bin/python tools/build_horovod.sh
   rm -f .venv/.deps-*
   touch "$stamp"

@@ -20,26 +20,34 @@ def _launch(args):
         backends.backend_class(os.environ[backends.ENV_VAR])  # a bad name stops here, in one line
     from keras_dist import launcher
 
+    # Keras on JAX trains with the jax backend; on TensorFlow, Horovod is the default.
+    args.backend = args.backend or ("jax" if backends.keras_backend(os.environ) == "jax" else "horovod")
     tasks = backends.backend_class(args.backend).local_tasks(args.num_workers, args.ps, [args.script, *args.script_args])
     return launcher.run_tasks(tasks)
 
 
 def _info(args):
     import keras
-    import tensorflow as tf
 
     from keras_dist import environments
 
     name, reason = backends.select()
     facts = {"backend": name, "why": reason, **environments.detect(os.environ).describe(),
-             "keras_backend": keras.backend.backend(), "tensorflow": tf.__version__, "keras": keras.__version__,
-             "devices": [d.name for d in tf.config.list_logical_devices()]}
-    try:
-        import horovod.tensorflow as hvd
+             "keras_backend": keras.backend.backend(), "keras": keras.__version__}
+    if keras.backend.backend() == "jax":
+        import jax
 
-        facts["horovod"] = {"gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": bool(hvd.nccl_built())}
-    except Exception as exc:  # Not installed or not built with TensorFlow: say which.
-        facts["horovod"] = f"unavailable: {exc}"
+        facts.update(jax=jax.__version__, devices=[str(d) for d in jax.local_devices()])
+    else:
+        import tensorflow as tf
+
+        facts.update(tensorflow=tf.__version__, devices=[d.name for d in tf.config.list_logical_devices()])
+        try:
+            import horovod.tensorflow as hvd
+
+            facts["horovod"] = {"gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": bool(hvd.nccl_built())}
+        except Exception as exc:  # Not installed or not built with TensorFlow: say which.
+            facts["horovod"] = f"unavailable: {exc}"
     if args.topology:
         from keras_dist.runtime import init
 
@@ -52,7 +60,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="keras-dist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     launch = commands.add_parser("launch", help="run a script as a local cluster on this machine")
-    launch.add_argument("--backend", default="horovod", choices=[n for n in backends.REGISTRY if n != "single"])
+    launch.add_argument("--backend", choices=[n for n in backends.REGISTRY if n != "single"],
+                        help="default: jax where Keras runs on JAX, else horovod")
     launch.add_argument("-n", "--num-workers", type=int, default=2)
     launch.add_argument("--ps", type=int, default=0, help="parameter-server tasks (parameter_server backend)")
     launch.add_argument("script")

@@ -12,11 +12,11 @@ per step); otherwise batch logs (the progress bar's running values) are this wor
 
 import contextlib
 import inspect
+import sys
 import warnings
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import tree
 
 from keras_dist import optimizer_hooks, runtime, sharding
@@ -58,11 +58,13 @@ class DistributedTraining:
         """Replaces x/y/sample_weight in `args` with this process's shard."""
         plan = self.backend.input_plan
         x = args.get("x")
-        if isinstance(x, tf.data.Dataset):
-            if plan.num_shards > 1 and args.get(steps_key) is None and x.cardinality() == tf.data.INFINITE_CARDINALITY:
+        if sharding.is_tf_dataset(x):
+            from keras_dist import tf_data_sharding
+
+            if plan.num_shards > 1 and args.get(steps_key) is None and tf_data_sharding.is_infinite(x):
                 raise KerasDistError(f"the dataset is infinite (it repeats); pass {steps_key} to {purpose}")
             # With a step count the epoch ends there; without, shards are padded to equal steps.
-            args["x"] = sharding.shard_dataset(x, plan.num_shards, plan.shard_index, pad and args.get(steps_key) is None,
+            args["x"] = tf_data_sharding.shard_dataset(x, plan.num_shards, plan.shard_index, pad and args.get(steps_key) is None,
                                                plan.batch_multiplier, files=purpose != "predict",
                                                allgather=self.backend.allgather_object)
         elif isinstance(x, keras.utils.PyDataset):
@@ -83,7 +85,9 @@ class DistributedTraining:
         else:
             return
         if not pad and plan.collective_steps:
-            args["x"] = sharding.open_ended(args if sharding.is_array_input(args["x"]) else args["x"], args.get(batch_key))
+            from keras_dist import tf_data_sharding
+
+            args["x"] = tf_data_sharding.open_ended(args if sharding.is_array_input(args["x"]) else args["x"], args.get(batch_key))
             args.update({k: None for k in ("y", "sample_weight", batch_key) if k in args})
 
     def _split_validation(self, args):
@@ -98,7 +102,7 @@ class DistributedTraining:
         validation = args.get("validation_data")
         if validation is None:
             return
-        if isinstance(validation, (tf.data.Dataset, keras.utils.PyDataset)):
+        if sharding.is_tf_dataset(validation) or isinstance(validation, keras.utils.PyDataset):
             val = {"x": validation}
         else:
             val = dict(zip(_INPUT_NAMES, validation))
@@ -137,20 +141,21 @@ class DistributedTraining:
         return history
 
     def evaluate(self, *args, **kwargs):
+        local_steps = self.backend.process_local_steps(self.model)
         if self.in_fit:  # validation inside fit: inputs already split
-            with self._flag("in_evaluate"):
+            with self._flag("in_evaluate"), local_steps:
                 return self.keras_evaluate(*args, **kwargs)
         arguments = self._worker_args(self.keras_evaluate, args, kwargs)
         self._split(arguments, pad=False)
         self._sync_once()
-        with self._flag("in_evaluate"), self._quiet_end_of_open_ended_input():
+        with self._flag("in_evaluate"), self._quiet_end_of_open_ended_input(), local_steps:
             return self.backend.run_loop("evaluate", self.model, self.keras_evaluate, arguments)
 
     def predict(self, *args, **kwargs):
         arguments = self._worker_args(self.keras_predict, args, kwargs)
         self._split(arguments, pad=False, purpose="predict")
         self._sync_once()
-        with self._quiet_end_of_open_ended_input():
+        with self._quiet_end_of_open_ended_input(), self.backend.process_local_steps(self.model):
             outputs = self.backend.run_loop("predict", self.model, self.keras_predict, arguments)
         if self.num_shards == 1:
             return outputs
@@ -186,9 +191,9 @@ class DistributedTraining:
         """
         metrics = self.model.metrics
         variables = [v for m in metrics for v in m.variables]
-        if not variables:
+        if not variables or self.backend.metric_states_are_global:
             return self.keras_get_metrics_result()
-        if tf.inside_function():
+        if in_compiled_step([v.value for v in variables]):
             if not self.backend.reduces_in_keras_dist or self.in_evaluate or (self.in_fit and not self.global_batch_logs):
                 return self.keras_get_metrics_result()
             return metric_results(metrics, self.backend.sum_across_processes_in_graph([v.value for v in variables]))
@@ -232,6 +237,19 @@ class DistributedTraining:
         return set_while(self, name, True)
 
 
+def in_compiled_step(values):
+    """Whether Keras is tracing a step function now (`values`, metric states, are symbolic)."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.inside_function()
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return any(isinstance(v, jax.core.Tracer) for v in values)
+    return False
+
+
 def local_state(variable):
     """A metric state's value on this process alone, its replicas' parts summed.
 
@@ -239,7 +257,8 @@ def local_state(variable):
     every worker, depending on the context; keras_dist sums over processes explicitly.
     """
     value = variable.value
-    if isinstance(value, tf.distribute.DistributedValues):
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(value, tf.distribute.DistributedValues):
         parts = value._distribute_strategy.experimental_local_results(value)
         return np.sum([np.asarray(part) for part in parts], axis=0)
     return keras.ops.convert_to_numpy(value)
@@ -297,9 +316,11 @@ def distribute_dataset(dataset, training=True):
         ...
     ```
     """
+    from keras_dist import tf_data_sharding
+
     backend = runtime.current()
     plan = backend.input_plan
-    return sharding.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
+    return tf_data_sharding.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
                                   allgather=backend.allgather_object)
 
 

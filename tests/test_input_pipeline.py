@@ -18,7 +18,7 @@ from conftest import WORKERS, horovodrun
 sys.path.insert(0, str(WORKERS))
 import runner  # noqa: E402
 
-from keras_dist import sharding  # noqa: E402
+from keras_dist import sharding, tf_data_sharding  # noqa: E402
 from keras_dist.errors import KerasDistError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -105,7 +105,7 @@ def test_bad_inputs_get_one_line_errors(workers):
 
 
 def shards(dataset, count, pad, **options):
-    return [[b.tolist() for b in sharding.shard_dataset(dataset, count, r, pad, **options).as_numpy_iterator()]
+    return [[b.tolist() for b in tf_data_sharding.shard_dataset(dataset, count, r, pad, **options).as_numpy_iterator()]
             for r in range(count)]
 
 
@@ -113,7 +113,7 @@ def test_odd_lengths_pad_fewer_than_n_elements_from_the_start():
     dataset = tf.data.Dataset.range(11).map(lambda i: i * 10).batch(4)
     assert shards(dataset, 3, pad=False) == [[[0, 30, 60, 90]], [[10, 40, 70, 100]], [[20, 50, 80]]]
     assert shards(dataset, 3, pad=True) == [[[0, 30, 60, 90]], [[10, 40, 70, 100]], [[20, 50, 80, 0]]]
-    assert sharding.shard_dataset(dataset, 3, 0, pad=True).cardinality() == 1  # Keras sizes its progress bar
+    assert tf_data_sharding.shard_dataset(dataset, 3, 0, pad=True).cardinality() == 1  # Keras sizes its progress bar
 
 
 def test_the_batch_grows_for_processes_that_feed_several_replicas():
@@ -138,7 +138,7 @@ def test_a_pipeline_that_batches_inside_a_function_falls_back_with_a_warning():
 def test_unbatched_datasets_are_a_one_line_error():
     for dataset in (tf.data.Dataset.range(4), tf.data.Dataset.from_tensor_slices(np.zeros((4, 8, 8, 3)))):
         with pytest.raises(KerasDistError, match=r"call \.batch\(batch_size\)"):
-            sharding.shard_dataset(dataset, 2, 0, pad=True)
+            tf_data_sharding.shard_dataset(dataset, 2, 0, pad=True)
 
 
 class _Numbered(__import__("keras").utils.PyDataset):

@@ -8,23 +8,46 @@ Selection order (first match wins), documented in the README:
 
 import importlib
 import inspect
+import json
 import os
+import sys
 
 from keras_dist.errors import KerasDistError
 
-# name -> "module:Class". Order is detection order. Adding a backend adds one line here.
+# name -> (the Keras backend it trains on, "module:Class"); None: any. Order is detection
+# order. Adding a backend adds one line here. Detection skips entries for another Keras
+# backend without importing them, so Keras on JAX never imports TensorFlow.
 REGISTRY = {
-    "horovod": "keras_dist.backends.horovod:HorovodBackend",
-    "parameter_server": "keras_dist.backends.parameter_server:ParameterServerBackend",
-    "multi_worker_mirrored": "keras_dist.backends.multi_worker_mirrored:MultiWorkerMirroredBackend",
-    "tpu": "keras_dist.backends.tpu:TPUBackend",
-    "mirrored": "keras_dist.backends.mirrored:MirroredBackend",
-    "central_storage": "keras_dist.backends.central_storage:CentralStorageBackend",
-    "one_device": "keras_dist.backends.one_device:OneDeviceBackend",
-    "single": "keras_dist.backends.single:SingleBackend",
+    "jax": ("jax", "keras_dist.backends.jax_data_parallel:JaxDataParallelBackend"),
+    "horovod": ("tensorflow", "keras_dist.backends.horovod:HorovodBackend"),
+    "parameter_server": ("tensorflow", "keras_dist.backends.parameter_server:ParameterServerBackend"),
+    "multi_worker_mirrored": ("tensorflow", "keras_dist.backends.multi_worker_mirrored:MultiWorkerMirroredBackend"),
+    "tpu": ("tensorflow", "keras_dist.backends.tpu:TPUBackend"),
+    "mirrored": ("tensorflow", "keras_dist.backends.mirrored:MirroredBackend"),
+    "central_storage": ("tensorflow", "keras_dist.backends.central_storage:CentralStorageBackend"),
+    "one_device": ("tensorflow", "keras_dist.backends.one_device:OneDeviceBackend"),
+    "single": (None, "keras_dist.backends.single:SingleBackend"),
 }
 
 ENV_VAR = "KERAS_DIST_BACKEND"
+
+
+def keras_backend(environ):
+    """The Keras backend this process runs or will run, read as Keras reads it.
+
+    Without importing Keras: under TensorFlow that would start TensorFlow before a
+    strategy that must be configured first (MultiWorkerMirrored).
+    """
+    if "keras" in sys.modules:
+        return sys.modules["keras"].backend.backend()
+    if environ.get("KERAS_BACKEND"):
+        return environ["KERAS_BACKEND"]
+    home = environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as f:
+            return json.load(f).get("backend", "tensorflow")
+    except (OSError, ValueError):
+        return "tensorflow"
 
 
 def backend_class(name):
@@ -33,19 +56,23 @@ def backend_class(name):
         raise KerasDistError(
             f"unknown keras_dist backend {name!r}; choose one of: {', '.join(REGISTRY)}"
         )
-    module, cls = REGISTRY[name].split(":")
+    module, cls = REGISTRY[name][1].split(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def select(requested=None, environ=None):
     """Returns `(name, reason)` for the backend this process should use."""
     environ = os.environ if environ is None else environ
-    if requested:
-        return requested, "requested by keras_dist.init(backend=...)"
-    if environ.get(ENV_VAR):
-        return environ[ENV_VAR], f"set by {ENV_VAR}"
-    for name in REGISTRY:
-        if name != "single" and backend_class(name).detect(environ):
+    running = keras_backend(environ)
+    if requested or environ.get(ENV_VAR):
+        name = requested or environ[ENV_VAR]
+        trains_on = REGISTRY.get(name, (None,))[0]
+        if trains_on not in (None, running):
+            raise KerasDistError(f"backend {name!r} trains Keras on {trains_on}, but Keras runs on {running}; "
+                                 f"set KERAS_BACKEND={trains_on} or choose another backend")
+        return name, "requested by keras_dist.init(backend=...)" if requested else f"set by {ENV_VAR}"
+    for name, (trains_on, _) in REGISTRY.items():
+        if name != "single" and trains_on in (None, running) and backend_class(name).detect(environ):
             return name, f"detected the {name} launcher's environment"
     return "single", "no launcher detected"
 

@@ -70,6 +70,9 @@ class Backend(abc.ABC):
     # True when fetching each batch is itself a collective (every worker must take the
     # same number of steps); see `InputPlan.collective_steps`.
     steps_are_collective: bool = False
+    # True when metric states already hold every process's contribution (a step computed
+    # over the global batch), so keras_dist must not sum them again.
+    metric_states_are_global: bool = False
 
     @classmethod
     def detect(cls, environ) -> bool:
@@ -136,6 +139,11 @@ class Backend(abc.ABC):
         """Returns the model to train (the same object unless variables had to move)."""
         return model
 
+    def process_local_steps(self, model):
+        """Context in which `evaluate` and `predict` run: where the backend's steps are
+        global computations, it makes them run on this process's shard alone."""
+        return contextlib.nullcontext()
+
     def run_loop(self, method: str, model, keras_method, arguments: dict):
         """Runs `model.fit`, `evaluate` or `predict` (`method`) with this worker's arguments.
 
@@ -173,6 +181,10 @@ class Backend(abc.ABC):
 
     def barrier(self) -> None:
         pass
+
+    def chief_file_callback(self, callback):
+        """A checkpoint or log callback as the chief runs it, while the others skip it."""
+        return callback
 
     def redirect_to_scratch(self, callback):
         """For `saves_are_collective` backends: `callback` writing to a scratch directory."""

@@ -210,15 +210,15 @@ def _make_strategy():
         """
 
         def experimental_distribute_dataset(self, dataset, options=None):
-            from keras_dist import sharding
+            from keras_dist import tf_data_sharding
 
-            equal_steps = dataset in sharding.EQUAL_STEPS
+            equal_steps = dataset in tf_data_sharding.EQUAL_STEPS
             local = len(self.extended.worker_devices)
             no_autoshard = tf.data.Options()
             no_autoshard.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
             dataset = dataset.with_options(no_autoshard)
             if local > 1:
-                batch, _ = sharding.dataset_batch_size(dataset)
+                batch, _ = tf_data_sharding.dataset_batch_size(dataset)
                 dataset = dataset.rebatch(-(-batch // local))
             if not equal_steps:
                 return self.distribute_datasets_from_function(lambda _: dataset, options)

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, optimizer_hooks, sharding
+from keras_dist import keras_workarounds, optimizer_hooks, tf_data_sharding
 from keras_dist.backends.base import Backend, GradientOptions
 from keras_dist.backends.tf_strategy import adopt_optimizer, move_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
@@ -572,7 +572,7 @@ def _rebuildable_on_workers(x, steps_per_epoch):
     """
     if not isinstance(x, tf.data.Dataset) or steps_per_epoch is None or x.cardinality() != tf.data.INFINITE_CARDINALITY:
         return False
-    return not sharding.runs_python(x)
+    return not tf_data_sharding.runs_python(x)
 
 
 def _known_length(dataset):

@@ -30,7 +30,8 @@ def callbacks_for_this_worker(callbacks, backend):
         callbacks = callbacks.callbacks
     callbacks = list(callbacks or [])
     if backend.is_chief:
-        return [make_writes_atomic(c) for c in callbacks]
+        return [backend.chief_file_callback(make_writes_atomic(c)) if isinstance(c, FILE_WRITING_CALLBACKS) else c
+                for c in callbacks]
     kept = []
     for callback in callbacks:
         if not isinstance(callback, FILE_WRITING_CALLBACKS):

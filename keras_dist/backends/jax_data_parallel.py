@@ -1,0 +1,284 @@
+"""Keras 3 on JAX: the devices of every process form one data-parallel mesh.
+
+Keras's own `keras.distribution.DataParallel` runs each train step as one computation
+over the global batch: XLA all-reduces gradients and metric states across processes
+(gloo on CPUs, NCCL on GPUs), so training logs are global without keras_dist's help.
+keras_dist adds what Keras leaves to the script: each process feeds its interleaved
+share of the inputs (`auto_shard_dataset=False`), only the chief writes files, and
+`evaluate` and `predict` run each process's shard on its own copy of the replicated
+weights (`process_local_steps`), so shards of unequal length need no padding and every
+example counts once.
+
+Launch: `keras-dist launch --backend jax -n 2 train.py`, or any launcher whose cluster
+environment names a coordinator (torchrun-style variables, Slurm's `srun`, or Keras's
+own `KERAS_DISTRIBUTION_*` variables), with `KERAS_BACKEND=jax`.
+"""
+
+import contextlib
+import os
+import pickle
+import sys
+
+import numpy as np
+
+from keras_dist import environments
+from keras_dist.backends import keras_backend
+from keras_dist.backends.base import Backend, GradientOptions, InputPlan
+from keras_dist.errors import KerasDistError
+from keras_dist.overrides import override
+
+# Set by `prepare_process`: JAX's process group must start before any JAX computation.
+_started = False
+
+
+def _start_process_group(environ):
+    """Joins this process to its job's JAX process group (once, before any JAX computation).
+
+    Unlike `keras.distribution.initialize`, it agrees on no random seed (that imports
+    TensorFlow where installed): keras_dist broadcasts the chief's weights instead.
+    """
+    global _started
+    if _started:
+        return
+    import jax
+
+    environment = environments.detect(environ)
+    if environment.size > 1:
+        if environment.coordinator is None:
+            raise KerasDistError(
+                f"the {environment.name} launcher names no coordinator for JAX's process group; set "
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES=host:port (the first process's address), or launch with "
+                "`keras-dist launch --backend jax`"
+            )
+        # CPU processes need a collectives implementation; GPUs use NCCL whatever this says.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        host, port = environment.coordinator.rsplit(":", 1)
+        local_only = host in ("127.0.0.1", "localhost")  # a local cluster listens on loopback only
+        try:
+            jax.distributed.initialize(coordinator_address=environment.coordinator, num_processes=environment.size,
+                                       process_id=environment.rank,
+                                       coordinator_bind_address=f"127.0.0.1:{port}" if local_only else None)
+        except RuntimeError as exc:
+            raise KerasDistError(f"JAX's process group did not start ({str(exc).splitlines()[0]}); `import keras_dist` "
+                                 "before any JAX computation, and check the coordinator address") from None
+    _started = True
+
+
+class JaxDataParallelBackend(Backend):
+    """Synchronous data parallelism on Keras's JAX backend, over every process's devices."""
+
+    name = "jax"
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        return environments.detect(environ).size > 1
+
+    @classmethod
+    def prepare_process(cls, environ) -> None:
+        _start_process_group(environ)
+
+    @classmethod
+    def local_tasks(cls, num_workers, num_ps, argv):
+        from keras_dist.launcher import Task, free_loopback_ports
+
+        if num_ps:
+            raise KerasDistError("backend 'jax' has no parameter servers; drop --ps")
+        coordinator = f"127.0.0.1:{free_loopback_ports(1)[0]}"
+        return [
+            Task(f"process:{i}", [sys.executable, *argv],
+                 env={"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator,
+                      "KERAS_DISTRIBUTION_NUM_PROCESSES": str(num_workers), "KERAS_DISTRIBUTION_PROCESS_ID": str(i),
+                      "PYTHONUNBUFFERED": "1"})
+            for i in range(num_workers)
+        ]
+
+    def __init__(self):
+        import keras
+
+        if keras.backend.backend() != "jax":
+            raise KerasDistError(f"backend 'jax' needs Keras on JAX, but Keras runs on {keras.backend.backend()!r}; "
+                                 "set KERAS_BACKEND=jax before Python starts")
+        import jax
+
+        _start_process_group(os.environ)
+        self._jax = jax
+        self._local_rank = environments.detect(os.environ).local_rank
+        self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
+        keras.distribution.set_distribution(self.distribution)
+        self._local_depth = 0
+
+    @property
+    def rank(self) -> int:
+        return self._jax.process_index()
+
+    @property
+    def size(self) -> int:
+        return self._jax.process_count()
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def num_replicas(self) -> int:
+        return self._jax.device_count()
+
+    @property
+    def input_plan(self) -> InputPlan:
+        # Evaluation and prediction steps run per process (`process_local_steps`).
+        return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
+
+    def prepare_model(self, model):
+        # Variables made before keras_dist started (the script built its model first)
+        # live on one device; the step needs them replicated over the global mesh.
+        _replicate(model.variables)
+        return model
+
+    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+        # The sharded train step averages gradients itself (XLA's all-reduce).
+        if options.compression is not None or options.reduction != "mean":
+            raise KerasDistError("backend 'jax' averages gradients inside XLA's step; drop gradient_compression "
+                                 "and gradient_reduction from keras_dist.compile")
+        _replicate(optimizer.variables)  # its step counter exists from the optimizer's creation
+
+    # --- work one process does alone --------------------------------------------------
+    @property
+    def metric_states_are_global(self) -> bool:
+        # A train step is one computation over all processes; local steps are not.
+        return self._local_depth == 0
+
+    @contextlib.contextmanager
+    def process_local_steps(self, model):
+        """Runs Keras on this process's devices alone: `evaluate`, `predict`, the chief's saves.
+
+        Under a multi-process distribution, every step, and even every assignment to a
+        variable (JAX checks the value is the same everywhere), is a collective. Here the
+        model's variables become copies on this process's first device and Keras's
+        distribution is unset, so each process steps through its own shard, however long
+        (keras_dist sums the metric states at the end), and the chief alone can save or
+        restore a checkpoint. On exit every variable is replicated again from this
+        process's value, without a collective (the chief's restored weights then reach
+        the others through keras_dist's broadcast).
+        """
+        if self.size == 1 or self._local_depth:
+            yield
+            return
+        from keras.src.distribution import distribution_lib
+
+        variables = _variables_of(model)
+        for variable in variables:
+            # A copy: Keras's step donates its state, and this process's shard of the
+            # global array shares its buffer.
+            variable._value, variable._layout = self._jax.numpy.array(variable._value.addressable_data(0)), None
+        global_functions = (model.test_function, model.predict_function)
+        model.test_function, model.predict_function = getattr(model, "_keras_dist_local_functions", (None, None))
+        distribution_lib.set_distribution(None)
+        self._local_depth += 1
+        try:
+            yield
+        finally:
+            self._local_depth -= 1
+            distribution_lib.set_distribution(self.distribution)
+            override(model, "_keras_dist_local_functions", (model.test_function, model.predict_function))
+            model.test_function, model.predict_function = global_functions
+            _replicate(_variables_of(model))  # those made meanwhile too (a model built by evaluate)
+
+    def chief_file_callback(self, callback):
+        """The chief runs its checkpoint and log callbacks alone, so process-locally."""
+        for name in _hooks_of(callback):
+            hook = getattr(callback, name)
+
+            def run_locally(*args, _hook=hook, **kwargs):
+                with self.process_local_steps(callback.model):
+                    return _hook(*args, **kwargs)
+
+            override(callback, name, run_locally)
+        return callback
+
+    # --- host-side collectives ------------------------------------------------------
+    def _gather_bytes(self, data: bytes) -> list:
+        """Every process's `data`, in rank order (one gather of the lengths, one of the bytes)."""
+        from jax.experimental import multihost_utils
+
+        lengths = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32))).reshape(-1)
+        padded = np.zeros(int(lengths.max()), np.uint8)
+        padded[:len(data)] = np.frombuffer(data, np.uint8)
+        gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+        return [gathered[rank, :length].tobytes() for rank, length in enumerate(lengths)]
+
+    def allgather_object(self, obj) -> list:
+        if self.size == 1:
+            return [obj]
+        return [pickle.loads(part) for part in self._gather_bytes(pickle.dumps(obj))]
+
+    def broadcast_object(self, obj, root: int = 0):
+        return self.allgather_object(obj if self.rank == root else None)[root]
+
+    def broadcast_variables(self, variables, root: int = 0) -> None:
+        if self.size == 1:
+            return
+        from jax.experimental import multihost_utils
+
+        import keras
+
+        values = [keras.ops.convert_to_numpy(v.value) for v in variables]
+        for variable, value in zip(variables, multihost_utils.broadcast_one_to_all(values, is_source=self.rank == root)):
+            variable.assign(np.asarray(value))
+
+    def allgather_array(self, array):
+        return np.concatenate(self.allgather_object(np.asarray(array)))
+
+    def sum_arrays(self, arrays):
+        arrays = [np.asarray(a) for a in arrays]
+        if not arrays or self.size == 1:
+            return arrays
+        # Exact whatever the dtype (JAX would narrow float64 without x64).
+        parts = self.allgather_object(arrays)
+        return [np.sum([p[i] for p in parts], axis=0).astype(a.dtype) for i, a in enumerate(arrays)]
+
+    def barrier(self) -> None:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("keras_dist.barrier")
+
+    def describe(self) -> dict:
+        return {**super().describe(), "devices": [str(d) for d in self._jax.devices()]}
+
+
+def _replicate(variables):
+    """Places each variable not yet on the distribution's layout there, from this process's value.
+
+    Built from this process's own copy on each of its devices, with no collective: JAX's
+    `device_put` would check with every process that the values agree. Variables that
+    differ (weights initialized without a seed) are made equal by keras_dist's broadcast
+    of the chief's state before they are used.
+    """
+    import jax
+
+    for variable in variables:
+        if variable._layout is None:
+            variable._initialize_layout()
+        if variable._layout is None:
+            continue  # no distribution
+        sharding = variable._layout.backend_layout if hasattr(variable._layout, "backend_layout") else variable._layout
+        value = variable._value
+        if getattr(value, "sharding", None) == sharding:
+            continue
+        local = value.addressable_data(0) if isinstance(value, jax.Array) else value
+        variable._value = jax.make_array_from_single_device_arrays(
+            variable.shape, sharding, [jax.device_put(local, device) for device in sharding.addressable_devices])
+
+
+def _variables_of(model):
+    """The model's, its metrics' and its optimizer's variables (what Keras's steps read)."""
+    optimizer = getattr(model, "optimizer", None)
+    optimizer_variables = list(optimizer.variables) if optimizer is not None else []
+    return list({id(v): v for v in [*model.variables, *model.metrics_variables, *optimizer_variables]}.values())
+
+
+def _hooks_of(callback):
+    import keras
+    from keras.src.utils.python_utils import is_default
+
+    return [name for name in dir(keras.callbacks.Callback)
+            if name.startswith("on_") and not is_default(getattr(callback, name))]

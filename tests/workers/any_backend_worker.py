@@ -1,0 +1,74 @@
+"""A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
+
+Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
+       [--epochs E] [--callbacks] [--adam] [--kill-rank R --kill-epoch K]
+Imports no framework itself, so the test can see what keras_dist imports. Writes
+OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
+TensorFlow and Horovod keras_dist imported.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--samples", type=int, default=64)
+parser.add_argument("--eval-samples", type=int, default=17)
+parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
+parser.add_argument("--adam", action="store_true")
+parser.add_argument("--kill-rank", type=int, help="this rank kills itself at the end of --kill-epoch")
+parser.add_argument("--kill-epoch", type=int, default=0)
+args = parser.parse_args()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_dist  # noqa: E402
+
+ctx = keras_dist.init()
+# What keras_dist imported, before the script's own seeding (Keras seeds TensorFlow too, where installed).
+imported = sorted(m for m in ("tensorflow", "horovod") if m in sys.modules)
+keras.utils.set_random_seed(1)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(args.samples, 5)).astype("float32")
+y = (x @ rng.normal(size=(5, 1)) + 0.1).astype("float32")
+model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+keras_dist.compile(model, optimizer=keras.optimizers.Adam(0.02) if args.adam else keras.optimizers.SGD(0.05),
+                   loss="mse", metrics=["mae"])
+
+
+class KillAtEpochEnd(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if ctx.rank == args.kill_rank and epoch == args.kill_epoch:
+            os.kill(os.getpid(), 9)
+
+
+callbacks = [KillAtEpochEnd()]
+if args.callbacks:
+    callbacks += [
+        keras.callbacks.ModelCheckpoint(os.path.join(args.out, "ckpt.weights.h5"), save_weights_only=True),
+        keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup")),
+        keras.callbacks.CSVLogger(os.path.join(args.out, "log.csv")),
+    ]
+validation = (x[:args.eval_samples], y[:args.eval_samples])  # uneven shards inside fit too
+history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks,
+                    validation_data=validation)
+evaluation = model.evaluate(x[:args.eval_samples], y[:args.eval_samples], batch_size=args.batch, verbose=0,
+                            return_dict=True)
+prediction = model.predict(x[:args.eval_samples], batch_size=args.batch, verbose=0)
+result = {
+    "describe": ctx.describe(),
+    "keras_backend": keras.backend.backend(),
+    "imported_by_keras_dist": imported,
+    "weights": [w.tolist() for w in model.get_weights()],
+    "history": history.history,
+    "evaluate": evaluation,
+    "predict": prediction.tolist(),
+}
+with open(os.path.join(args.out, f"result-{ctx.rank}.json"), "w") as f:
+    json.dump(result, f)
+print("done", ctx.describe(), flush=True)
