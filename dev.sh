@@ -20,8 +20,11 @@ fi
 stamp=".venv/.deps-$(cat setup.cfg setup.py keras_dist/bind_loopback.c tools/build_horovod.sh | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+  # The PyTorch release the tests run on, pinned: an unpinned one may pull a newer CUDA
+  # build of several GB where a CPU build of this one is at hand.
+  torch=2.13.0
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then tf="tf-gpu"; else tf="tf-cpu"; fi
-  .venv/bin/python -m pip install -q -e ".[$tf,tfds,jax,test]"
+  .venv/bin/python -m pip install -q -e ".[$tf,tfds,jax,torch,test]" "torch==$torch"
   PYTHON=.venv/bin/python tools/build_horovod.sh
   rm -f .venv/.deps-*
   touch "$stamp"

@@ -97,12 +97,13 @@ class Failed(Exception):
 @dataclass
 class Config:
     name: str
-    mode: str  # worker.py's MODE
+    mode: str  # the worker's MODE
     processes: int = 1
     launcher: str | None = None  # None (one plain process), "horovod", or a keras_dist backend name
     num_ps: int = 0
     env: dict = field(default_factory=dict)
     threads: int | None = None  # intra-op threads per process; None: --threads
+    worker: str = "worker.py"  # backend_worker.py for Keras on JAX or PyTorch
 
 
 def launch(model, config, args):
@@ -115,7 +116,7 @@ def launch(model, config, args):
     """
     threads = config.threads or args.threads
     with tempfile.TemporaryDirectory(prefix="keras_dist_bench_") as sync_dir:
-        argv = [str(HERE / "worker.py"), config.mode, model, "--window", str(args.window),
+        argv = [str(HERE / config.worker), config.mode, model, "--window", str(args.window),
                 "--windows", str(args.windows), "--sync", sync_dir, "--data", args.data_dir]
         if config.launcher is None:
             commands = [([PYTHON, *argv], {}, False)]
@@ -127,7 +128,8 @@ def launch(model, config, args):
 
             tasks = backend_class(config.launcher).local_tasks(config.processes, config.num_ps, argv)
             commands = [(t.argv, t.env, t.serves) for t in tasks]
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": str(threads), **config.env}
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": str(threads),
+               "BENCH_THREADS": str(threads), **config.env}
         codes, output = run_together(commands, env, timeout=args.timeout)
     reports = [json.loads(line.split("BENCH ", 1)[1]) for line in output.splitlines() if "BENCH " in line]
     reporting = sum(1 for _, _, serves in commands if not serves) * (config.processes if config.launcher == "horovod" else 1)
@@ -183,7 +185,7 @@ def run_together(commands, env, timeout):
 
 SHARDED = {"KERAS_DIST_MIN_SHARD_BYTES": str(1 << 20)}
 KINDS = {"cnn": "dense", "mlp": "dense", "emb": "emb", "jpeg_small": "tfdata", "jpeg_cnn": "tfdata",
-         "input_only": "input"}
+         "input_only": "input", "jax_mlp": "jax", "torch_mlp": "torch"}
 CONFIGS = {
     "dense": [
         Config("plain_1", "plain"), Config("keras_dist_1", "keras_dist"),
@@ -206,6 +208,11 @@ CONFIGS = {
     "input": [
         Config("plain_1", "input_plain", threads=1), Config("keras_dist_2", "input_keras_dist", 2, "horovod", threads=1),
     ],
+    **{backend: [
+        Config("plain_1", "plain", env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
+        Config("keras_dist_2", "keras_dist", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
+        Config("handwritten_2", "handwritten", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
+    ] for backend in ("jax", "torch")},
 }
 SPS, CPU, EPOCH_CPU = "samples_per_s", "cpu_s_per_sample", "cpu_s_per_epoch_worker"
 # model kind -> ratios: (name, numerator, denominator, figure, target from issue 10 or None)
@@ -233,6 +240,12 @@ RATIOS = {
         ("cpu_keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2", CPU, "<= 1.03"),
     ],
     "input": [("cpu_per_worker_vs_one_process", "keras_dist_2", "plain_1", EPOCH_CPU, "<= 0.55")],
+    **{backend: [
+        ("keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2", SPS, None),
+        ("cpu_keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2", CPU, None),
+        ("keras_dist_2_vs_plain_1", "keras_dist_2", "plain_1", SPS, None),
+        ("handwritten_2_vs_plain_1", "handwritten_2", "plain_1", SPS, None),
+    ] for backend in ("jax", "torch")},
 }
 
 

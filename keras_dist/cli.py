@@ -20,8 +20,9 @@ def _launch(args):
         backends.backend_class(os.environ[backends.ENV_VAR])  # a bad name stops here, in one line
     from keras_dist import launcher
 
-    # Keras on JAX trains with the jax backend; on TensorFlow, Horovod is the default.
-    args.backend = args.backend or ("jax" if backends.keras_backend(os.environ) == "jax" else "horovod")
+    # Keras on JAX or PyTorch trains with the backend of that name; on TensorFlow, Horovod is the default.
+    keras_backend = backends.keras_backend(os.environ)
+    args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
     tasks = backends.backend_class(args.backend).local_tasks(args.num_workers, args.ps, [args.script, *args.script_args])
     return launcher.run_tasks(tasks)
 
@@ -38,6 +39,11 @@ def _info(args):
         import jax
 
         facts.update(jax=jax.__version__, devices=[str(d) for d in jax.local_devices()])
+    elif keras.backend.backend() == "torch":
+        import torch
+
+        facts.update(torch=torch.__version__, devices=["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())],
+                     gloo=torch.distributed.is_gloo_available(), nccl=torch.distributed.is_nccl_available())
     else:
         import tensorflow as tf
 
@@ -61,7 +67,7 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     launch = commands.add_parser("launch", help="run a script as a local cluster on this machine")
     launch.add_argument("--backend", choices=[n for n in backends.REGISTRY if n != "single"],
-                        help="default: jax where Keras runs on JAX, else horovod")
+                        help="default: jax or torch where Keras runs on JAX or PyTorch, else horovod")
     launch.add_argument("-n", "--num-workers", type=int, default=2)
     launch.add_argument("--ps", type=int, default=0, help="parameter-server tasks (parameter_server backend)")
     launch.add_argument("script")

@@ -3,11 +3,12 @@
 `attach` replaces those three methods on the model object only (no Keras class is
 patched). Each wrapper splits the inputs, adjusts callbacks and verbosity for this
 worker, then calls Keras's own method, so every Keras argument keeps its meaning.
-Under several processes `get_metrics_result` (and Keras's choice of epoch logs) is
-wrapped too: Keras calls it at the end of every epoch and evaluation, so summing metric
-states across processes there makes every epoch log global, on every worker. Horovod
-also calls it inside the train step where a callback reads per-batch logs (a collective
-per step); otherwise batch logs (the progress bar's running values) are this worker's.
+Under several processes Keras's choice of epoch logs (`_get_metrics_result_or_logs`,
+called at the end of every epoch and evaluation) is wrapped too: summing metric states
+across processes there makes every epoch log global, on every worker. Backends that
+reduce in keras_dist (Horovod, PyTorch) also sum them inside the train step
+(`get_metrics_result`) where a callback reads per-batch logs (a collective per step);
+otherwise batch logs (the progress bar's running values) are this worker's.
 """
 
 import contextlib
@@ -180,23 +181,32 @@ class DistributedTraining:
             self.model.train_function = None  # traced again with the other choice
 
     def get_metrics_result(self):
-        """Model metrics computed from their states summed over every process.
+        """Model metrics, as Keras's steps inside `fit` and `evaluate`, or the script, ask for them.
 
-        Eager calls (the end of an epoch, of `evaluate`) sum the states on the host, on
-        every backend: tf.distribute strategies keep metric states per replica and
-        aggregate only a process's own. Inside a compiled step the states stay local,
-        except in Horovod's train step where a callback reads batch logs
-        (`_choose_batch_logs`); evaluation shards may differ by one batch across
-        processes, so a test step never reduces.
+        Inside `fit` and `evaluate` the callers are steps (compiled, or eager as on
+        PyTorch): the states stay this process's, except in the train step of a backend
+        that reduces them itself (Horovod, PyTorch) where a callback reads batch logs
+        (`_choose_batch_logs`). Evaluation shards may differ by one batch across
+        processes, so a test step never reduces. Epoch and evaluation ends come through
+        `get_metrics_result_or_logs`; the script's own calls get the global results.
+        """
+        if not (self.in_fit or self.in_evaluate):
+            return self.global_metrics_result()
+        variables = [v for m in self.model.metrics for v in m.variables]
+        if not variables or not self.backend.reduces_in_keras_dist or self.in_evaluate or not self.global_batch_logs:
+            return self.keras_get_metrics_result()
+        return metric_results(self.model.metrics, self.backend.sum_across_processes_in_step([v.value for v in variables]))
+
+    def global_metrics_result(self):
+        """Model metrics computed from their states summed over every process, on the host.
+
+        On every backend: tf.distribute strategies keep metric states per replica and
+        aggregate only a process's own.
         """
         metrics = self.model.metrics
         variables = [v for m in metrics for v in m.variables]
         if not variables or self.backend.metric_states_are_global:
             return self.keras_get_metrics_result()
-        if in_compiled_step([v.value for v in variables]):
-            if not self.backend.reduces_in_keras_dist or self.in_evaluate or (self.in_fit and not self.global_batch_logs):
-                return self.keras_get_metrics_result()
-            return metric_results(metrics, self.backend.sum_across_processes_in_graph([v.value for v in variables]))
         return metric_results(metrics, self.backend.sum_arrays([local_state(v) for v in variables]))
 
     def get_metrics_result_or_logs(self, logs):
@@ -209,7 +219,7 @@ class DistributedTraining:
         values that are not metrics are averaged over processes, so every worker logs
         the same.
         """
-        metric_logs = self.get_metrics_result()
+        metric_logs = self.global_metrics_result()
         if not isinstance(logs, dict):
             return metric_logs
         flat = flat_logs(logs)
@@ -235,19 +245,6 @@ class DistributedTraining:
 
     def _flag(self, name):
         return set_while(self, name, True)
-
-
-def in_compiled_step(values):
-    """Whether Keras is tracing a step function now (`values`, metric states, are symbolic)."""
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return tf.inside_function()
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return any(isinstance(v, jax.core.Tracer) for v in values)
-    return False
 
 
 def local_state(variable):

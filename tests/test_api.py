@@ -51,7 +51,7 @@ def test_explicit_backend_wins_over_environment():
 
 
 def test_unknown_backend_is_a_one_line_error():
-    with pytest.raises(KerasDistError, match="unknown keras_dist backend 'bogus'; choose one of: jax, horovod"):
+    with pytest.raises(KerasDistError, match="unknown keras_dist backend 'bogus'; choose one of: jax, torch, horovod"):
         backends.backend_class("bogus")
 
 

@@ -19,6 +19,7 @@ from keras_dist.errors import KerasDistError
 # backend without importing them, so Keras on JAX never imports TensorFlow.
 REGISTRY = {
     "jax": ("jax", "keras_dist.backends.jax_data_parallel:JaxDataParallelBackend"),
+    "torch": ("torch", "keras_dist.backends.torch_distributed:TorchDistributedBackend"),
     "horovod": ("tensorflow", "keras_dist.backends.horovod:HorovodBackend"),
     "parameter_server": ("tensorflow", "keras_dist.backends.parameter_server:ParameterServerBackend"),
     "multi_worker_mirrored": ("tensorflow", "keras_dist.backends.multi_worker_mirrored:MultiWorkerMirroredBackend"),

@@ -156,8 +156,8 @@ class Backend(abc.ABC):
     def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
         """Makes `optimizer` reduce gradients across replicas before each update."""
 
-    def sum_across_processes_in_graph(self, tensors):
-        """Sums a list of tensors over processes; usable inside a `tf.function`."""
+    def sum_across_processes_in_step(self, tensors):
+        """Sums a list of tensors over processes inside a train step (a `tf.function`, or an eager torch step)."""
         return tensors
 
     # --- host-side collectives (eager, used outside the train step) ------------

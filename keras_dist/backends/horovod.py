@@ -142,7 +142,7 @@ class HorovodBackend(Backend):
 
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
 
-    def sum_across_processes_in_graph(self, tensors):
+    def sum_across_processes_in_step(self, tensors):
         return self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum)
 
     def allgather_object(self, obj) -> list:

@@ -84,13 +84,15 @@ class JaxDataParallelBackend(Backend):
         if num_ps:
             raise KerasDistError("backend 'jax' has no parameter servers; drop --ps")
         coordinator = f"127.0.0.1:{free_loopback_ports(1)[0]}"
-        return [
-            Task(f"process:{i}", [sys.executable, *argv],
-                 env={"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator,
-                      "KERAS_DISTRIBUTION_NUM_PROCESSES": str(num_workers), "KERAS_DISTRIBUTION_PROCESS_ID": str(i),
-                      "PYTHONUNBUFFERED": "1"})
-            for i in range(num_workers)
-        ]
+        env = {"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator,
+               "KERAS_DISTRIBUTION_NUM_PROCESSES": str(num_workers), "PYTHONUNBUFFERED": "1"}
+        flags = os.environ.get("XLA_FLAGS", "")
+        if num_workers > 1 and "intra_op_parallelism_threads" not in flags:
+            # Processes sharing this machine would each size XLA's CPU thread pool for all of it.
+            threads = max(1, (os.cpu_count() or 1) // num_workers)
+            env["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}".strip()
+        return [Task(f"rank:{i}", [sys.executable, *argv], env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)})
+                for i in range(num_workers)]
 
     def __init__(self):
         import keras

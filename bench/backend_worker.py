@@ -1,0 +1,162 @@
+"""One measured run of bench/run.py on Keras's JAX or PyTorch backend (KERAS_BACKEND).
+
+    KERAS_BACKEND=jax|torch python backend_worker.py MODE MODEL --window S --windows K [--sync DIR]
+
+MODE:
+  plain        Keras `fit` in one process
+  keras_dist   the two-line change, on the backend the launcher implies (jax or torch)
+  handwritten  that framework's own data-parallel loop, no Keras: for JAX a jitted step
+               whose batch is sharded over every process's devices (XLA all-reduces the
+               gradients); for PyTorch a `torch.nn` model under DistributedDataParallel
+
+The model is the bench's MLP (784-1024-1024-10, SGD, batch 128 per replica, 60 batches
+per process and epoch, NumPy input, unshuffled). `BENCH_THREADS` sets the intra-op
+threads of each process. Measuring is bench/windows.py's; every process prints one
+`BENCH {json}` line.
+"""
+
+import argparse
+import os
+import sys
+
+parser = argparse.ArgumentParser()
+parser.add_argument("mode", choices=["plain", "keras_dist", "handwritten"])
+parser.add_argument("model", help="bench/run.py's model name (always the MLP here)")
+parser.add_argument("--window", type=float, required=True)
+parser.add_argument("--windows", type=int, required=True)
+parser.add_argument("--sync")
+parser.add_argument("--data", help="unused (bench/run.py passes it to every worker)")
+args = parser.parse_args()
+
+BACKEND = os.environ["KERAS_BACKEND"]
+THREADS = int(os.environ.get("BENCH_THREADS", "1"))
+if BACKEND == "jax":  # before JAX starts
+    os.environ["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={THREADS}"
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from windows import Windows  # noqa: E402
+
+if args.mode == "keras_dist":
+    import keras_dist
+if BACKEND == "torch":
+    import torch
+
+    torch.set_num_threads(THREADS)
+
+BATCH, STEPS, UNITS = 128, 60, (784, 1024, 1024, 10)
+
+
+def arrays(count):
+    rng = np.random.default_rng(0)
+    return rng.random((count, UNITS[0]), dtype=np.float32), rng.integers(0, UNITS[-1], count).astype("int32")
+
+
+def keras_run(rank, size, windows, compile_model):
+    import keras
+
+    class Measure(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if windows.epoch_end(STEPS * BATCH):
+                self.model.stop_training = True
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((UNITS[0],)), keras.layers.Dense(UNITS[1], activation="relu"),
+                              keras.layers.Dense(UNITS[2], activation="relu"), keras.layers.Dense(UNITS[3])])
+    compile_model(model, optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = arrays(STEPS * BATCH * size)
+    model.fit(x, y, batch_size=BATCH, epochs=100000, shuffle=False, verbose=0, callbacks=[Measure()])
+    return model.count_params()
+
+
+def jax_handwritten(windows_for):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from keras_dist import environments  # only to read the launcher's variables
+
+    env = environments.detect(os.environ)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(env.coordinator, env.size, env.rank)
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    replicated, by_batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
+    key = jax.random.PRNGKey(0)
+    params = []
+    for fan_in, fan_out in zip(UNITS[:-1], UNITS[1:]):
+        key, sub = jax.random.split(key)
+        limit = np.sqrt(6 / (fan_in + fan_out))
+        params.append((jax.random.uniform(sub, (fan_in, fan_out), minval=-limit, maxval=limit), jnp.zeros(fan_out)))
+    params = jax.device_put(params, replicated)
+
+    def loss_fn(params, x, y):
+        for i, (w, b) in enumerate(params):
+            x = x @ w + b
+            if i < len(params) - 1:
+                x = jax.nn.relu(x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(x), y[:, None], axis=1))
+
+    @jax.jit
+    def step(params, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), loss
+
+    rank, size = jax.process_index(), jax.process_count()
+    x, y = arrays(STEPS * BATCH * size)
+    x, y = x[rank::size], y[rank::size]
+    windows, done = windows_for(rank), False
+    while not done:
+        for i in range(STEPS):
+            xb = jax.make_array_from_process_local_data(by_batch, x[i * BATCH:(i + 1) * BATCH])
+            yb = jax.make_array_from_process_local_data(by_batch, y[i * BATCH:(i + 1) * BATCH])
+            params, loss = step(params, xb, yb)
+        loss.block_until_ready()
+        done = windows.epoch_end(STEPS * BATCH)
+    return windows, rank, size, sum(w.size + b.size for w, b in params)
+
+
+def torch_handwritten(windows_for):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")  # torchrun's variables, set by keras_dist's launcher
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(zip(UNITS[:-1], UNITS[1:])):
+        layers += [torch.nn.Linear(fan_in, fan_out)] + ([torch.nn.ReLU()] if i < len(UNITS) - 2 else [])
+    model = DistributedDataParallel(torch.nn.Sequential(*layers))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x, y = arrays(STEPS * BATCH * size)
+    x, y = torch.from_numpy(x[rank::size]), torch.from_numpy(y[rank::size]).long()
+    windows, done = windows_for(rank), False
+    while not done:
+        for i in range(STEPS):
+            optimizer.zero_grad()
+            loss = loss_fn(model(x[i * BATCH:(i + 1) * BATCH]), y[i * BATCH:(i + 1) * BATCH])
+            loss.backward()
+            optimizer.step()
+        done = windows.epoch_end(STEPS * BATCH)
+    return windows, rank, size, sum(p.numel() for p in model.parameters())
+
+
+def main():
+    def windows_for(rank):
+        return Windows(rank, args.sync, args.window, args.windows)
+
+    if args.mode == "handwritten":
+        windows, rank, size, params = (jax_handwritten if BACKEND == "jax" else torch_handwritten)(windows_for)
+    elif args.mode == "plain":
+        rank, size, windows = 0, 1, windows_for(0)
+        params = keras_run(0, 1, windows, lambda model, **kw: model.compile(**kw))
+    else:
+        ctx = keras_dist.init()
+        rank, size, windows = ctx.rank, ctx.size, windows_for(ctx.rank)
+        params = keras_run(rank, size, windows, keras_dist.compile)
+    windows.report(size, params)
+
+
+main()

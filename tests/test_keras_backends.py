@@ -1,0 +1,121 @@
+"""Keras on JAX and on PyTorch: real processes on 127.0.0.1, joined by JAX's process group
+or by torch.distributed (gloo both), against one process at the global batch."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import BIN, PYTHON, WORKERS, run
+
+pytestmark = pytest.mark.timeout(600)
+WORKER = WORKERS / "any_backend_worker.py"
+# Keras backend -> the keras_dist backend that distributes it, and the package it needs.
+KERAS_BACKENDS = {"jax": "jax", "torch": "torch"}
+
+
+@pytest.fixture(params=sorted(KERAS_BACKENDS))
+def keras_backend(request):
+    pytest.importorskip(request.param)  # installed by ./dev.sh (the `jax` and `torch` extras)
+    return request.param
+
+
+def launch(keras_backend, out_dir, *args, processes=2, timeout=300):
+    """`keras-dist launch` (its default backend for this Keras backend) of the worker; (code, output)."""
+    os.makedirs(out_dir, exist_ok=True)
+    return run([BIN / "keras-dist", "launch", "-n", processes, WORKER, out_dir, *args], timeout=timeout,
+               env={"KERAS_BACKEND": keras_backend})
+
+
+def single(keras_backend, out_dir, *args):
+    os.makedirs(out_dir, exist_ok=True)
+    code, out = run([PYTHON, WORKER, out_dir, *args], timeout=300, env={"KERAS_BACKEND": keras_backend})
+    assert code == 0, out[-3000:]
+    return load(out_dir, 0)
+
+
+def load(out_dir, rank):
+    with open(os.path.join(out_dir, f"result-{rank}.json")) as f:
+        return json.load(f)
+
+
+def assert_same_training(result, reference, tolerance=1e-5):
+    for got, want in zip(result["weights"], reference["weights"]):
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=tolerance)
+    np.testing.assert_allclose(np.array(result["predict"]), np.array(reference["predict"]), atol=tolerance)
+    assert result["history"].keys() == reference["history"].keys()
+    for key, values in reference["history"].items():
+        assert result["history"][key] == pytest.approx(values, rel=tolerance), key
+    assert result["evaluate"] == pytest.approx(reference["evaluate"], rel=tolerance)
+
+
+def test_two_processes_match_one_at_twice_the_batch_and_only_the_chief_writes(tmp_path, keras_backend):
+    # 17 evaluation samples: shards of 9 and 8, inside fit (validation) and after it.
+    reference = single(keras_backend, tmp_path / "single", "--batch", 16, "--adam")
+    out_dir = tmp_path / "distributed"
+    code, out = launch(keras_backend, out_dir, "--batch", 8, "--adam", "--callbacks")
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        result = load(out_dir, rank)
+        assert result["describe"]["backend"] == KERAS_BACKENDS[keras_backend]
+        assert result["describe"]["num_replicas"] == 2
+        assert result["imported_by_keras_dist"] == []  # neither TensorFlow nor Horovod
+        assert len(result["predict"]) == 17  # the whole prediction, in input order, on every process
+        assert_same_training(result, reference)
+    # Checkpoint and CSV log from the chief alone; the backup is removed when fit ends.
+    assert sorted(os.listdir(out_dir)) == ["ckpt.weights.h5", "log.csv", "result-0.json", "result-1.json"]
+
+
+def test_a_killed_process_ends_the_job_and_the_rerun_resumes(tmp_path, keras_backend):
+    reference = single(keras_backend, tmp_path / "single", "--batch", 16, "--epochs", 3)
+    out_dir = tmp_path / "distributed"
+    code, out = launch(keras_backend, out_dir, "--batch", 8, "--epochs", 3, "--callbacks", "--kill-rank", 1,
+                       "--kill-epoch", 1)
+    assert code == 128 + 9, out[-3000:]  # the launcher reports the killed task and stops the other
+    assert os.path.isdir(out_dir / "backup")
+    code, out = launch(keras_backend, out_dir, "--batch", 8, "--epochs", 3, "--callbacks")
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        result = load(out_dir, rank)
+        assert len(result["history"]["loss"]) < 3  # resumed after the last backed-up epoch, on every process
+        for got, want in zip(result["weights"], reference["weights"]):
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_import_and_detection_need_no_tensorflow(keras_backend):
+    script = ("import sys, keras_dist\n"
+              "from keras_dist import backends\n"
+              "print(backends.select(environ={'RANK': '1', 'WORLD_SIZE': '2', 'MASTER_ADDR': 'h', 'MASTER_PORT': '1'})[0],"
+              " backends.select()[0], sorted(m for m in ('tensorflow', 'horovod') if m in sys.modules))\n")
+    code, out = run([PYTHON, "-c", script], timeout=120, env={"KERAS_BACKEND": keras_backend})
+    assert code == 0 and out.strip().splitlines()[-1] == f"{KERAS_BACKENDS[keras_backend]} single []", out[-2000:]
+
+
+def test_a_tensorflow_backend_under_another_keras_backend_is_a_one_line_error(keras_backend):
+    code, out = run([PYTHON, "-c", "import keras_dist"], timeout=120,
+                    env={"KERAS_BACKEND": keras_backend, "KERAS_DIST_BACKEND": "horovod"})
+    assert code != 0
+    assert (f"KerasDistError: backend 'horovod' trains Keras on tensorflow, but Keras runs on {keras_backend}; "
+            "set KERAS_BACKEND=tensorflow or choose another backend") in out
+
+
+def test_a_launcher_without_a_coordinator_is_a_one_line_error(keras_backend):
+    # mpirun-style variables name no address for the process group.
+    env = {"KERAS_BACKEND": keras_backend, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
+    code, out = run([PYTHON, "-c", "import keras_dist; keras_dist.init()"], timeout=120, env=env)
+    assert code != 0 and "launcher names no coordinator for" in out, out[-2000:]
+
+
+def test_torchrun_launches_the_same_training(tmp_path):
+    pytest.importorskip("torch")
+    reference = single("torch", tmp_path / "single", "--batch", 16)
+    out_dir = tmp_path / "torchrun"
+    os.makedirs(out_dir)
+    code, out = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, WORKER, out_dir,
+                     "--batch", 8], timeout=300, env={"KERAS_BACKEND": "torch"})
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        result = load(out_dir, rank)
+        assert result["describe"]["backend"] == "torch"
+        assert_same_training(result, reference)
