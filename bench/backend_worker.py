@@ -76,11 +76,11 @@ def jax_handwritten(windows_for):
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from keras_dist import environments  # only to read the launcher's variables
-
-    env = environments.detect(os.environ)
+    # The variables keras_dist's launcher sets (importing keras_dist would join the group itself).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(env.coordinator, env.size, env.rank)
+    jax.distributed.initialize(os.environ["KERAS_DISTRIBUTION_JOB_ADDRESSES"],
+                               int(os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"]),
+                               int(os.environ["KERAS_DISTRIBUTION_PROCESS_ID"]))
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     replicated, by_batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
     key = jax.random.PRNGKey(0)

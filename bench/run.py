@@ -34,6 +34,7 @@ Models (`--models`):
                       batch 64, prefetch, feeding one small convolution
   jpeg_cnn            tf.data, compute-bound: the same pipeline feeding the CNN
   input_only          no model: CPU-seconds per epoch of the jpeg pipeline on one worker
+  jax_mlp, torch_mlp  the MLP on Keras's JAX or PyTorch backend (bench/backend_worker.py)
 
 The scripts build the tf.data pipeline unsharded; keras_dist does the sharding. Only the
 hand-written Horovod loop shards itself: rank r reads files[r::size].
@@ -57,6 +58,13 @@ jpeg_small and jpeg_cnn run (fit over the whole dataset each epoch):
   keras_dist_2        the two-line change under horovodrun, 2 ranks x 1 thread
   keras_dist_mwms_2   the two-line change under multi_worker_mirrored, 2 workers x 1 thread
   handwritten_2       hand-written Horovod loop, 2 ranks x 1 thread, file-sharded
+  handwritten_mwms_2  hand-written MultiWorkerMirroredStrategy loop, 2 workers x 1 thread,
+                      file-sharded: the reference for keras_dist_mwms_2
+jax_mlp and torch_mlp run, 1 thread per process:
+  plain_1             Keras `fit` on that backend, 1 process
+  keras_dist_2        the two-line change, 2 processes (keras_dist's jax or torch launcher)
+  handwritten_2       that framework's own loop, 2 processes: a jitted JAX step over a mesh
+                      of both processes' devices, or a torch.nn model under DDP
 input_only runs, 1 thread per process:
   plain_1             one process iterates the whole pipeline
   keras_dist_2        under horovodrun -np 2, each rank iterates
@@ -204,6 +212,7 @@ CONFIGS = {
         Config("keras_dist_2", "keras_dist", 2, "horovod", threads=1),
         Config("keras_dist_mwms_2", "keras_dist", 2, "multi_worker_mirrored", threads=1),
         Config("handwritten_2", "handwritten", 2, "horovod", threads=1),
+        Config("handwritten_mwms_2", "handwritten_mwms", 2, "multi_worker_mirrored", threads=1),
     ],
     "input": [
         Config("plain_1", "input_plain", threads=1), Config("keras_dist_2", "input_keras_dist", 2, "horovod", threads=1),
@@ -236,6 +245,8 @@ RATIOS = {
         ("keras_dist_mwms_2_vs_plain_1", "keras_dist_mwms_2", "plain_1", SPS, ">= 0.9"),
         ("keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2", SPS, ">= 0.97"),
         ("keras_dist_mwms_2_vs_handwritten_2", "keras_dist_mwms_2", "handwritten_2", SPS, ">= 0.97"),
+        ("keras_dist_mwms_2_vs_handwritten_mwms_2", "keras_dist_mwms_2", "handwritten_mwms_2", SPS, None),
+        ("handwritten_mwms_2_vs_handwritten_2", "handwritten_mwms_2", "handwritten_2", SPS, None),
         ("keras_dist_1_vs_plain_1", "keras_dist_1", "plain_1", SPS, None),
         ("cpu_keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2", CPU, "<= 1.03"),
     ],
@@ -267,7 +278,7 @@ def meets(value, target):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="jpeg_small,jpeg_cnn,input_only,cnn,mlp,emb")
+    parser.add_argument("--models", default="jpeg_small,jpeg_cnn,input_only,cnn,mlp,emb,jax_mlp,torch_mlp")
     parser.add_argument("--configs", help="only these configurations (comma-separated), each NAME (every model's) "
                                           "or MODEL/NAME, e.g. cnn/keras_dist_2,cnn/handwritten_2; a model none "
                                           "of whose configurations is listed runs all of them")

@@ -18,13 +18,10 @@ MODEL: cnn, mlp, emb (NumPy arrays, STEPS batches per process and epoch, unshuff
 jpeg_small, jpeg_cnn (the tf.data pipeline of tfdata.py over the files in --data, built
 unsharded; `fit` runs whole epochs of it). The input modes ignore MODEL.
 
-Measuring: epoch 0 is warm-up (tracing, thread pools). From its end, whole epochs
-accumulate into a window until it lasts --window seconds; each window reports its
-samples, epochs, wall seconds and this process's CPU seconds (`time.process_time`, all
-its threads). The run ends after --windows windows. Processes that train together close
-their windows at the same epoch, so that `fit` stops at the same epoch everywhere: rank 0
-decides and leaves its decision as a file in --sync, the others wait for it (no
-collective is added to the measured work). The input modes need no agreement.
+Measuring is bench/windows.py's: after a warm-up epoch, whole epochs fill windows of at
+least --window seconds, --windows of them; processes that train together close their
+windows at the same epoch (rank 0 decides, through files in --sync). The input modes need
+no agreement.
 
 Samples per epoch of a training process are its share: STEPS x batch for arrays,
 tfdata.EXAMPLES / processes for tf.data (whole batches either way). They are not read
@@ -34,9 +31,6 @@ elements they actually iterate.
 """
 
 import argparse
-import json
-import os
-import time
 
 import numpy as np
 
@@ -57,6 +51,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdata  # noqa: E402  (beside this file)
+from windows import Windows  # noqa: E402
 
 if mode == "handwritten_mwms":  # collective ops must be configured before any TF op runs
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -88,54 +83,6 @@ MODELS = {
 }
 
 
-class Windows:
-    """Cuts this process's epochs into measured windows (see the module docstring)."""
-
-    def __init__(self, rank, sync_dir):
-        self.rank, self.sync_dir = rank, sync_dir
-        self.epoch, self.windows = 0, []
-
-    def epoch_end(self, samples):
-        """Accounts one finished epoch of `samples`; returns True when the run is over."""
-        self.epoch += 1
-        if self.epoch == 1:  # warm-up
-            self._open()
-            return False
-        self.samples += samples
-        self.epochs += 1
-        now, cpu = time.perf_counter(), time.process_time()
-        if self._agree(now - self.start >= args.window):
-            self.windows.append({"samples": self.samples, "epochs": self.epochs, "seconds": now - self.start,
-                                 "cpu_s": cpu - self.cpu})
-            self._open()
-        return len(self.windows) == args.windows
-
-    def _open(self):
-        self.start, self.cpu, self.samples, self.epochs = time.perf_counter(), time.process_time(), 0, 0
-
-    def _agree(self, close):
-        if self.sync_dir is None:
-            return close
-        path = os.path.join(self.sync_dir, f"epoch-{self.epoch}")
-        if self.rank == 0:
-            with open(path + ".tmp", "w") as f:
-                f.write("1" if close else "0")
-            os.replace(path + ".tmp", path)
-            return close
-        deadline, delay = time.monotonic() + 600, 0.001
-        while not os.path.exists(path):
-            if time.monotonic() > deadline:
-                raise SystemExit(f"rank {self.rank}: rank 0 did not finish epoch {self.epoch} within 600 s")
-            time.sleep(delay)
-            delay = min(2 * delay, 0.05)
-        with open(path) as f:
-            return f.read() == "1"
-
-
-def report(rank, size, params, windows):
-    print("BENCH " + json.dumps({"rank": rank, "size": size, "params": params, "windows": windows.windows}), flush=True)
-
-
 if mode.startswith("input_"):
     dataset = tfdata.pipeline(args.data)
     rank, size = 0, 1
@@ -149,14 +96,14 @@ if mode.startswith("input_"):
             import horovod.tensorflow as hvd
 
             hvd.shutdown()
-    windows = Windows(rank, None)
+    windows = Windows(rank, None, args.window, args.windows)
     done = False
     while not done:
         samples = 0
         for x, _ in dataset:
             samples += int(x.shape[0])
         done = windows.epoch_end(samples)
-    report(rank, size, 0, windows)
+    windows.report(size, 0)
     raise SystemExit(0)
 
 shape, batch, layers, steps = MODELS[args.model]
@@ -211,7 +158,7 @@ if mode in ("plain", "keras_dist"):
     else:
         keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.01), loss=loss_fn)
         rank, size = keras_dist.current().rank, keras_dist.current().size
-    windows = Windows(rank, args.sync)
+    windows = Windows(rank, args.sync, args.window, args.windows)
     fit_args = dict(epochs=100000, verbose=0, callbacks=[Measure(windows, samples_per_epoch(size))])
     if tf_data:
         model.fit(tfdata.pipeline(args.data), **fit_args)
@@ -238,7 +185,7 @@ elif mode == "handwritten_mwms":
         # Like the logs of a Keras step, the loss is reduced over replicas every step.
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(step, args=next(iterator)), axis=None)
 
-    windows = Windows(rank, args.sync)
+    windows = Windows(rank, args.sync, args.window, args.windows)
     done = False
     while not done:
         iterator = iter(dataset)
@@ -266,7 +213,7 @@ else:
         optimizer.apply(grads, model.trainable_variables)
         return loss
 
-    windows = Windows(rank, args.sync)
+    windows = Windows(rank, args.sync, args.window, args.windows)
     done = False
     while not done:
         for xb, yb in dataset:
@@ -274,4 +221,4 @@ else:
         float(loss)  # wait for the last step
         done = windows.epoch_end(samples_per_epoch(size))
 
-report(rank, size, model.count_params(), windows)
+windows.report(size, model.count_params())

@@ -22,7 +22,6 @@ import sys
 import numpy as np
 
 from keras_dist import environments
-from keras_dist.backends import keras_backend
 from keras_dist.backends.base import Backend, GradientOptions, InputPlan
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override
