@@ -67,6 +67,15 @@ def test_two_processes_match_one_at_twice_the_batch_and_only_the_chief_writes(tm
     assert sorted(os.listdir(out_dir)) == ["ckpt.weights.h5", "log.csv", "result-0.json", "result-1.json"]
 
 
+def test_a_tf_data_pipeline_is_split_as_on_tensorflow(tmp_path, keras_backend):
+    # Seeded shuffle, map, batch: each process maps its interleaved share in one process's order.
+    reference = single(keras_backend, tmp_path / "single", "--batch", 16, "--dataset")
+    code, out = launch(keras_backend, tmp_path / "distributed", "--batch", 8, "--dataset")
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        assert_same_training(load(tmp_path / "distributed", rank), reference)
+
+
 def test_a_killed_process_ends_the_job_and_the_rerun_resumes(tmp_path, keras_backend):
     reference = single(keras_backend, tmp_path / "single", "--batch", 16, "--epochs", 3)
     out_dir = tmp_path / "distributed"

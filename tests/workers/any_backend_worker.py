@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--kill-rank R --kill-epoch K]
+       [--epochs E] [--callbacks] [--adam] [--dataset] [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
 TensorFlow and Horovod keras_dist imported.
@@ -20,6 +20,7 @@ parser.add_argument("--samples", type=int, default=64)
 parser.add_argument("--eval-samples", type=int, default=17)
 parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
 parser.add_argument("--adam", action="store_true")
+parser.add_argument("--dataset", action="store_true", help="fit on a tf.data pipeline (shuffle with a seed, map, batch)")
 parser.add_argument("--kill-rank", type=int, help="this rank kills itself at the end of --kill-epoch")
 parser.add_argument("--kill-epoch", type=int, default=0)
 args = parser.parse_args()
@@ -55,7 +56,14 @@ if args.callbacks:
         keras.callbacks.CSVLogger(os.path.join(args.out, "log.csv")),
     ]
 validation = (x[:args.eval_samples], y[:args.eval_samples])  # uneven shards inside fit too
-history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks,
+if args.dataset:  # TensorFlow only for the input, as Keras on JAX or PyTorch allows
+    import tensorflow as tf
+
+    inputs = {"x": tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=5).map(lambda a, b: (a * 2.0, b))
+              .batch(args.batch)}
+else:
+    inputs = {"x": x, "y": y, "batch_size": args.batch}
+history = model.fit(**inputs, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks,
                     validation_data=validation)
 evaluation = model.evaluate(x[:args.eval_samples], y[:args.eval_samples], batch_size=args.batch, verbose=0,
                             return_dict=True)
