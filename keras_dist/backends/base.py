@@ -173,7 +173,9 @@ class Backend(abc.ABC):
 
     def allgather_array(self, array):
         """Concatenates NumPy arrays of possibly different lengths, in rank order."""
-        return array
+        import numpy as np
+
+        return np.concatenate(self.allgather_object(np.asarray(array)))
 
     def sum_arrays(self, arrays):
         """Each NumPy array summed over processes (same shapes on every process), as a list."""

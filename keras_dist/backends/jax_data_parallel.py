@@ -19,6 +19,7 @@ import os
 import pickle
 import sys
 
+import keras
 import numpy as np
 
 from keras_dist import environments
@@ -94,8 +95,6 @@ class JaxDataParallelBackend(Backend):
                 for i in range(num_workers)]
 
     def __init__(self):
-        import keras
-
         if keras.backend.backend() != "jax":
             raise KerasDistError(f"backend 'jax' needs Keras on JAX, but Keras runs on {keras.backend.backend()!r}; "
                                  "set KERAS_BACKEND=jax before Python starts")
@@ -185,15 +184,22 @@ class JaxDataParallelBackend(Backend):
             _replicate(_variables_of(model))  # those made meanwhile too (a model built by evaluate)
 
     def chief_file_callback(self, callback):
-        """The chief runs its checkpoint and log callbacks alone, so process-locally."""
-        for name in _hooks_of(callback):
-            hook = getattr(callback, name)
+        """The chief saves and restores alone, so process-locally; its other hooks (and
+        the log callbacks, which only read) stay as they are, off the per-batch path."""
+        if getattr(callback, "_keras_dist_saves_locally", False):
+            return callback  # fit called again with the same callback
+        touching = ("_save_model", "on_train_begin") if isinstance(callback, keras.callbacks.BackupAndRestore) else \
+            ("_save_model",)
+        for name in touching:
+            if hasattr(callback, name):
+                step = getattr(callback, name)
 
-            def run_locally(*args, _hook=hook, **kwargs):
-                with self.process_local_steps(callback.model):
-                    return _hook(*args, **kwargs)
+                def run_locally(*args, _step=step, **kwargs):
+                    with self.process_local_steps(callback.model):
+                        return _step(*args, **kwargs)
 
-            override(callback, name, run_locally)
+                override(callback, name, run_locally)
+        override(callback, "_keras_dist_saves_locally", True)
         return callback
 
     # --- host-side collectives ------------------------------------------------------
@@ -220,14 +226,9 @@ class JaxDataParallelBackend(Backend):
             return
         from jax.experimental import multihost_utils
 
-        import keras
-
         values = [keras.ops.convert_to_numpy(v.value) for v in variables]
         for variable, value in zip(variables, multihost_utils.broadcast_one_to_all(values, is_source=self.rank == root)):
             variable.assign(np.asarray(value))
-
-    def allgather_array(self, array):
-        return np.concatenate(self.allgather_object(np.asarray(array)))
 
     def sum_arrays(self, arrays):
         arrays = [np.asarray(a) for a in arrays]
@@ -275,11 +276,3 @@ def _variables_of(model):
     optimizer = getattr(model, "optimizer", None)
     optimizer_variables = list(optimizer.variables) if optimizer is not None else []
     return list({id(v): v for v in [*model.variables, *model.metrics_variables, *optimizer_variables]}.values())
-
-
-def _hooks_of(callback):
-    import keras
-    from keras.src.utils.python_utils import is_default
-
-    return [name for name in dir(keras.callbacks.Callback)
-            if name.startswith("on_") and not is_default(getattr(callback, name))]

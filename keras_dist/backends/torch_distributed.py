@@ -173,9 +173,6 @@ class TorchDistributedBackend(Backend):
                                              for a in arrays], GradientOptions(reduction="sum"))
         return [s.cpu().numpy().reshape(a.shape).astype(a.dtype) for s, a in zip(summed, arrays)]
 
-    def allgather_array(self, array):
-        return np.concatenate(self.allgather_object(np.asarray(array)))
-
     def barrier(self) -> None:
         if self.size > 1:
             self._dist.barrier()
