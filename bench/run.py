@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before keras_dist imports TensorFlow
-from keras_dist.launcher import kill_process_groups  # noqa: E402
+from keras_dist.launchers.processes import kill_process_groups  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -132,9 +132,9 @@ def launch(model, config, args):
             commands = [([HOROVODRUN, "-np", str(config.processes), "-H", f"localhost:{config.processes}", "--gloo",
                           PYTHON, *argv], {}, False)]
         else:
-            from keras_dist.backends import backend_class
+            from keras_dist.strategies import local_cluster
 
-            tasks = backend_class(config.launcher).local_tasks(config.processes, config.num_ps, argv)
+            tasks = local_cluster(config.launcher, config.processes, config.num_ps, argv)
             commands = [(t.argv, t.env, t.serves) for t in tasks]
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": str(threads),
                "BENCH_THREADS": str(threads), **config.env}

@@ -10,8 +10,8 @@ model.fit(x, y, batch_size=64)   # per-replica batch; runs on every backend
 import os
 import sys
 
-from keras_dist import backends as _backends
-from keras_dist import launcher as _launcher
+from keras_dist import strategies as _strategies
+from keras_dist.launchers import processes as _processes
 
 
 def _is_the_cli():
@@ -24,8 +24,8 @@ def _is_the_cli():
 if not _is_the_cli():
     # Settings TensorFlow reads once at start-up (thread pools, a strategy's server) must
     # be made before it starts, so the launcher's backend gets its say at import time.
-    _backends.backend_class(_backends.select()[0]).prepare_process(os.environ)
-    _launcher.watch_launcher(os.environ)
+    _strategies.strategy_class(_strategies.select()[0]).prepare_process(os.environ)
+    _processes.watch_launcher(os.environ)
 
 from keras_dist import callbacks  # noqa: E402
 from keras_dist.compile import compile  # noqa: E402

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from keras_dist import backends
+from keras_dist import strategies
 from keras_dist.errors import KerasDistError
 
 
@@ -16,15 +16,14 @@ def _launch(args):
         raise KerasDistError(f"--ps must be 0 or more, got {args.ps}")
     if not os.path.isfile(args.script):
         raise KerasDistError(f"script {args.script!r} not found; give the path of a Python file")
-    if os.environ.get(backends.ENV_VAR):
-        backends.backend_class(os.environ[backends.ENV_VAR])  # a bad name stops here, in one line
-    from keras_dist import launcher
+    if os.environ.get(strategies.ENV_VAR):
+        strategies.strategy_class(os.environ[strategies.ENV_VAR])  # a bad name stops here, in one line
+    from keras_dist.launchers.processes import run_tasks
 
     # Keras on JAX or PyTorch trains with the backend of that name; on TensorFlow, Horovod is the default.
-    keras_backend = backends.keras_backend(os.environ)
+    keras_backend = strategies.keras_backend(os.environ)
     args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
-    tasks = backends.backend_class(args.backend).local_tasks(args.num_workers, args.ps, [args.script, *args.script_args])
-    return launcher.run_tasks(tasks)
+    return run_tasks(strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args]))
 
 
 def _info(args):
@@ -32,9 +31,12 @@ def _info(args):
 
     from keras_dist import environments
 
-    name, reason = backends.select()
-    facts = {"backend": name, "why": reason, **environments.detect(os.environ).describe(),
-             "keras_backend": keras.backend.backend(), "keras": keras.__version__}
+    name, reason = strategies.select()
+    strategy = strategies.strategy_class(name)
+    facts = {"keras_backend": keras.backend.backend(), "keras": keras.__version__,
+             **environments.detect(os.environ).describe(),
+             "backend": name, "strategy": f"{strategy.__module__}.{strategy.__qualname__}", "why": reason,
+             "local_launcher": strategy.launcher or None}
     if keras.backend.backend() == "jax":
         import jax
 
@@ -66,7 +68,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="keras-dist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     launch = commands.add_parser("launch", help="run a script as a local cluster on this machine")
-    launch.add_argument("--backend", choices=[n for n in backends.REGISTRY if n != "single"],
+    launch.add_argument("--backend", choices=[n for n in strategies.REGISTRY if n != "single"],
                         help="default: jax or torch where Keras runs on JAX or PyTorch, else horovod")
     launch.add_argument("-n", "--num-workers", type=int, default=2)
     launch.add_argument("--ps", type=int, default=0, help="parameter-server tasks (parameter_server backend)")

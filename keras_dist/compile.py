@@ -3,7 +3,7 @@
 import keras
 
 from keras_dist import optimizer_hooks, overrides, runtime, training
-from keras_dist.backends.base import GradientOptions
+from keras_dist.strategies.base import GradientOptions
 from keras_dist.errors import KerasDistError
 
 

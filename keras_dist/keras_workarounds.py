@@ -162,7 +162,7 @@ def losses_not_divided(strategy):
     each replica's gradients by the replica count instead. Other strategies are left as
     they are.
     """
-    from keras_dist.backends.tf_strategy import UNDIVIDED_LOSSES
+    from keras_dist.strategies.tf_strategy import UNDIVIDED_LOSSES
 
     if not hasattr(strategy, UNDIVIDED_LOSSES):
         return contextlib.nullcontext()
@@ -344,39 +344,6 @@ def sharded_variables_savable(variables):
 class _SavableShardedVariable(ShardedVariable):
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.numpy(), dtype=dtype)
-
-
-def sharded_embedding_lookups(model):
-    """Makes each sharded `Embedding` of `model` gather its rows shard by shard.
-
-    Keras's `Embedding` reads its whole table (`ops.take`), which for a ShardedVariable
-    means copying every shard from the ps tasks on every step; `tf.nn.embedding_lookup`
-    reads only the rows of the batch, and its gradient touches only those rows.
-
-    Args:
-        model: a built model; the `call` of each sharded `Embedding` (without LoRA or
-            quantization) is replaced on that layer instance only.
-    """
-    for layer in model._flatten_layers():
-        # Subclasses keep their own `call`: it may do more than look up rows. Idempotent:
-        # each step function (train, test, predict) asks again.
-        if type(layer).call is keras.layers.Embedding.call and "call" not in vars(layer) \
-                and is_sharded(layer._embeddings) and not layer.lora_enabled and not layer.quantization_mode:
-            override(layer, "call", _lookup_by_shard(layer))
-
-
-def _lookup_by_shard(layer):
-    keras_call = layer.call
-
-    def call(inputs):
-        if isinstance(inputs, tf.SparseTensor):
-            return keras_call(inputs)  # Keras combines sparse ids itself; it reads the whole table
-        ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
-        ids = tf.where(ids < 0, ids + layer.input_dim, ids)  # as Keras's `take`: -1 is the last row
-        # Dispatches to a per-shard gather for a ShardedVariable ("div" partitioning).
-        return tf.cast(tf.nn.embedding_lookup(layer._embeddings._value, ids), layer.compute_dtype)
-
-    return call
 
 
 def _joined(shard_gradients, shards):

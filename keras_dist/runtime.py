@@ -1,6 +1,6 @@
 """The process-wide backend: chosen once, by `init`, and shared by everything else."""
 
-from keras_dist import backends
+from keras_dist import strategies
 from keras_dist.errors import KerasDistError
 
 _current = None
@@ -13,7 +13,7 @@ def init(backend=None, **options):
     backend explicitly or to read the topology before building the model.
 
     Args:
-        backend: a backend name (see `keras_dist.backends.REGISTRY`); default: the
+        backend: a backend name (see `keras_dist.strategies.REGISTRY`); default: the
             `KERAS_DIST_BACKEND` environment variable, else the launcher detected.
         **options: backend options, e.g. `tpu="my-tpu"` for the `tpu` backend.
 
@@ -29,7 +29,7 @@ def init(backend=None, **options):
     ```
     """
     global _current
-    name, _ = backends.select(backend)
+    name, _ = strategies.select(backend)
     if _current is not None:
         if backend and backend != _current.name:
             raise KerasDistError(
@@ -37,7 +37,7 @@ def init(backend=None, **options):
                 f"keras_dist.init(backend={backend!r}) before anything else uses keras_dist"
             )
         return _current
-    _current = backends.create(name, **options)
+    _current = strategies.create(name, **options)
     return _current
 
 

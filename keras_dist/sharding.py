@@ -49,10 +49,12 @@ class ShardedPyDataset(keras.utils.PyDataset):
     Global step s takes the script's batches s*U ... s*U + U - 1, U = num_shards *
     batch_multiplier (one per replica), so N replicas at batch B see what one process at
     N*B does. This process concatenates its `batch_multiplier` batches of each step.
-    Every shard has the same number of steps: a training shard that runs short takes
-    batches from the start again (fewer than U in all); otherwise it gets empty batches,
-    which add nothing to metrics or predictions. With `contiguous` (prediction), shard r
-    takes the r-th run of consecutive batches instead, so that outputs concatenated in
+    With `equal_steps` every shard has the same number of steps: a training shard that
+    runs short takes batches from the start again (fewer than U in all); otherwise it
+    gets empty batches (where steps are collective, the strategy's step skips them).
+    Without, a shard ends after its last batch of its own: an empty batch would put NaN
+    in Keras's loss tracker (0/0) on every backend. With `contiguous` (prediction), shard
+    r takes the r-th run of consecutive batches instead, so that outputs concatenated in
     rank order are in input order.
 
     Args:
@@ -61,21 +63,26 @@ class ShardedPyDataset(keras.utils.PyDataset):
         index: this process's shard.
         pad: repeat batches rather than give empty ones (training).
         batch_multiplier: the replicas this process feeds.
+        equal_steps: every shard takes the same number of steps (training, and steps
+            that are collectives).
         contiguous: consecutive runs of batches instead of interleaved ones; needs a
             known length.
     """
 
-    def __init__(self, dataset, num_shards, index, pad, batch_multiplier=1, contiguous=False):
+    def __init__(self, dataset, num_shards, index, pad, batch_multiplier=1, contiguous=False, equal_steps=True):
         super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
                          max_queue_size=dataset.max_queue_size)
         self.dataset, self.pad, self.own = dataset, pad, batch_multiplier
         total = dataset.num_batches
-        # Every shard takes the same number of steps.
-        self.steps = None if total is None else -(-total // (num_shards * batch_multiplier))
-        if contiguous and self.steps is None:
+        steps = None if total is None else -(-total // (num_shards * batch_multiplier))
+        if contiguous and steps is None:
             raise KerasDistError("a PyDataset without a length cannot be split for predict; give it __len__")
         self.per_step = batch_multiplier if contiguous else num_shards * batch_multiplier
-        self.first = index * batch_multiplier * (self.steps if contiguous else 1)
+        self.first = index * batch_multiplier * (steps if contiguous else 1)
+        if not equal_steps and total is not None:
+            # This shard's own steps; at least one, as Keras cannot evaluate an empty PyDataset.
+            steps = max(1, min(steps, -(-(total - self.first) // self.per_step)))
+        self.steps = steps
 
     @property
     def num_batches(self):

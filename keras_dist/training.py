@@ -13,7 +13,6 @@ otherwise batch logs (the progress bar's running values) are this worker's.
 
 import contextlib
 import inspect
-import sys
 import warnings
 
 import keras
@@ -21,7 +20,7 @@ import numpy as np
 from keras import tree
 
 from keras_dist import optimizer_hooks, runtime, sharding
-from keras_dist.backends.base import Backend
+from keras_dist.strategies.base import Strategy
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck
@@ -71,8 +70,9 @@ class DistributedTraining:
         elif isinstance(x, keras.utils.PyDataset):
             if plan.num_shards > 1 or plan.batch_multiplier > 1:
                 args["x"] = sharding.ShardedPyDataset(x, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier,
-                                                      contiguous=purpose == "predict")
-            return  # every shard has the same number of steps already
+                                                      contiguous=purpose == "predict",
+                                                      equal_steps=pad or plan.collective_steps)
+            return  # collective steps already end together (`equal_steps`)
         elif x is not None and sharding.is_array_input(x):
             arrays = {k: args[k] for k in _INPUT_NAMES if k in args}
             args.update(sharding.shard_arrays(arrays, plan.num_shards, plan.shard_index, pad))
@@ -198,16 +198,12 @@ class DistributedTraining:
         return metric_results(self.model.metrics, self.backend.sum_across_processes_in_step([v.value for v in variables]))
 
     def global_metrics_result(self):
-        """Model metrics computed from their states summed over every process, on the host.
-
-        On every backend: tf.distribute strategies keep metric states per replica and
-        aggregate only a process's own.
-        """
+        """Model metrics computed from their states over every process (`Strategy.global_metric_states`)."""
         metrics = self.model.metrics
         variables = [v for m in metrics for v in m.variables]
-        if not variables or self.backend.metric_states_are_global:
+        if not variables:
             return self.keras_get_metrics_result()
-        return metric_results(metrics, self.backend.sum_arrays([local_state(v) for v in variables]))
+        return metric_results(metrics, self.backend.global_metric_states(variables))
 
     def get_metrics_result_or_logs(self, logs):
         """Epoch logs: the global metric results, and the other keys of a custom step's logs averaged.
@@ -245,20 +241,6 @@ class DistributedTraining:
 
     def _flag(self, name):
         return set_while(self, name, True)
-
-
-def local_state(variable):
-    """A metric state's value on this process alone, its replicas' parts summed.
-
-    Reading a strategy's per-replica (sync-on-read) variable may itself aggregate over
-    every worker, depending on the context; keras_dist sums over processes explicitly.
-    """
-    value = variable.value
-    tf = sys.modules.get("tensorflow")
-    if tf is not None and isinstance(value, tf.distribute.DistributedValues):
-        parts = value._distribute_strategy.experimental_local_results(value)
-        return np.sum([np.asarray(part) for part in parts], axis=0)
-    return keras.ops.convert_to_numpy(value)
 
 
 def flat_logs(logs):
@@ -325,7 +307,7 @@ def attach(model, backend, gradient_options):
     """Makes `model.fit/evaluate/predict` run distributed on `backend`."""
     training = DistributedTraining(model, backend, gradient_options)
     names = ["fit", "evaluate", "predict"]
-    if backend.size > 1 and backend.run_loop.__func__ is Backend.run_loop:  # Keras's own loops read logs
+    if backend.size > 1 and backend.run_loop.__func__ is Strategy.run_loop:  # Keras's own loops read logs
         names += ["get_metrics_result", "_get_metrics_result_or_logs"]
     for name in names:
         override(model, name, getattr(training, name.lstrip("_")))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_dist.launcher import kill_process_groups
+from keras_dist.launchers.processes import kill_process_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"

@@ -77,12 +77,12 @@ def _load(path):
 
 
 def _registered_backends():
-    """Names in keras_dist.backends.REGISTRY, read from the source (no TensorFlow import)."""
-    tree = ast.parse((ROOT / "keras_dist" / "backends" / "__init__.py").read_text())
+    """Names in keras_dist.strategies.REGISTRY, read from the source (no TensorFlow import)."""
+    tree = ast.parse((ROOT / "keras_dist" / "strategies" / "__init__.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "REGISTRY" for t in node.targets):
             return set(ast.literal_eval(node.value))
-    raise AssertionError("keras_dist/backends/__init__.py defines no REGISTRY")
+    raise AssertionError("keras_dist/strategies/__init__.py defines no REGISTRY")
 
 
 def _env_list(container):

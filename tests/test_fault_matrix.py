@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import BIN, PYTHON, QUIET_ENV, WORKERS
-from keras_dist.launcher import kill_process_groups
+from keras_dist.launchers.processes import kill_process_groups
 
 sys.path.insert(0, str(WORKERS))
 import runner  # noqa: E402

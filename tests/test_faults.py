@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import BIN, QUIET_ENV, WORKERS, run
-from keras_dist.launcher import free_loopback_ports, kill_process_groups
+from keras_dist.launchers.processes import free_loopback_ports, kill_process_groups
 
 pytestmark = pytest.mark.timeout(300)
 FAULTS = WORKERS / "faults.py"
@@ -177,6 +177,9 @@ def test_the_cli_never_becomes_a_worker_with_a_stale_tf_config(tmp_path):
     stale = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": 0}})
     code, out = run([BIN / "keras-dist", "info"], timeout=120, env={"TF_CONFIG": stale})
     assert code == 0 and '"backend": "multi_worker_mirrored"' in out, out[-2000:]
+    facts = json.loads(out[out.index("{"):])  # what `info` reports: the three pieces it would use
+    assert (facts["keras_backend"], facts["cluster_environment"], facts["strategy"], facts["local_launcher"]) == (
+        "tensorflow", "tf_config", "keras_dist.strategies.multi_worker_mirrored.MultiWorkerMirroredStrategy", "tf_config")
     script = tmp_path / "train.py"
     script.write_text("import keras_dist\nprint('backend', keras_dist.init().name)\n")
     code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=120,
@@ -191,4 +194,4 @@ def test_a_bad_backend_variable_under_launch_is_a_one_line_error(tmp_path):
     code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=60, env={"KERAS_DIST_BACKEND": "bogus"})
     assert code == 2 and out.strip().splitlines()[-1:] == [
         "keras-dist: error: unknown keras_dist backend 'bogus'; choose one of: " + ", ".join(
-            __import__("keras_dist.backends", fromlist=["REGISTRY"]).REGISTRY)]
+            __import__("keras_dist.strategies", fromlist=["REGISTRY"]).REGISTRY)]

@@ -76,6 +76,19 @@ def test_a_tf_data_pipeline_is_split_as_on_tensorflow(tmp_path, keras_backend):
         assert_same_training(load(tmp_path / "distributed", rank), reference)
 
 
+def test_a_pydataset_is_split_by_batch(tmp_path, keras_backend):
+    # fit, validation, evaluate and predict on PyDatasets of batches of B: at each step the
+    # processes take consecutive batches, which one process at 2B reads as one (17 samples:
+    # the last step of evaluation gives one process an empty batch).
+    reference = single(keras_backend, tmp_path / "single", "--batch", 16, "--pydataset")
+    code, out = launch(keras_backend, tmp_path / "distributed", "--batch", 8, "--pydataset")
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        result = load(tmp_path / "distributed", rank)
+        assert len(result["predict"]) == 17
+        assert_same_training(result, reference)
+
+
 def test_a_killed_process_ends_the_job_and_the_rerun_resumes(tmp_path, keras_backend):
     reference = single(keras_backend, tmp_path / "single", "--batch", 16, "--epochs", 3)
     out_dir = tmp_path / "distributed"
@@ -94,9 +107,9 @@ def test_a_killed_process_ends_the_job_and_the_rerun_resumes(tmp_path, keras_bac
 
 def test_import_and_detection_need_no_tensorflow(keras_backend):
     script = ("import sys, keras_dist\n"
-              "from keras_dist import backends\n"
-              "print(backends.select(environ={'RANK': '1', 'WORLD_SIZE': '2', 'MASTER_ADDR': 'h', 'MASTER_PORT': '1'})[0],"
-              " backends.select()[0], sorted(m for m in ('tensorflow', 'horovod') if m in sys.modules))\n")
+              "from keras_dist import strategies\n"
+              "print(strategies.select(environ={'RANK': '1', 'WORLD_SIZE': '2', 'MASTER_ADDR': 'h', 'MASTER_PORT': '1'})[0],"
+              " strategies.select()[0], sorted(m for m in ('tensorflow', 'horovod') if m in sys.modules))\n")
     code, out = run([PYTHON, "-c", script], timeout=120, env={"KERAS_BACKEND": keras_backend})
     assert code == 0 and out.strip().splitlines()[-1] == f"{KERAS_BACKENDS[keras_backend]} single []", out[-2000:]
 

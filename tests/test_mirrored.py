@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import runner  # noqa: E402
 
-from keras_dist import backends  # noqa: E402
+from keras_dist import strategies  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -55,6 +55,6 @@ def test_upstream_keras_19246_still_fails():
 
 
 def test_detection_reads_only_the_environment():
-    assert backends.select(environ={"CUDA_VISIBLE_DEVICES": "0,1"})[0] == "mirrored"
-    assert backends.select(environ={"CUDA_VISIBLE_DEVICES": "0"})[0] == "single"
-    assert backends.select(environ={"CUDA_VISIBLE_DEVICES": "-1"})[0] == "single"
+    assert strategies.select(environ={"CUDA_VISIBLE_DEVICES": "0,1"})[0] == "mirrored"
+    assert strategies.select(environ={"CUDA_VISIBLE_DEVICES": "0"})[0] == "single"
+    assert strategies.select(environ={"CUDA_VISIBLE_DEVICES": "-1"})[0] == "single"

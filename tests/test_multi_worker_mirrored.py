@@ -9,8 +9,9 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import runner  # noqa: E402
 
-from keras_dist import backends  # noqa: E402
-from keras_dist.backends.multi_worker_mirrored import MultiWorkerMirroredBackend  # noqa: E402
+from keras_dist import strategies  # noqa: E402
+from keras_dist import launchers
+from keras_dist.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy  # noqa: E402
 from keras_dist.tf_cluster import parse_tf_config  # noqa: E402
 from keras_dist.errors import KerasDistError  # noqa: E402
 
@@ -48,9 +49,9 @@ def config(cluster, task):
 
 def test_detection_and_topology_from_tf_config(monkeypatch):
     two = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
-    assert backends.select(environ={"TF_CONFIG": config(two, {"type": "worker", "index": 1})})[0] == "multi_worker_mirrored"
+    assert strategies.select(environ={"TF_CONFIG": config(two, {"type": "worker", "index": 1})})[0] == "multi_worker_mirrored"
     ps = {**two, "ps": ["127.0.0.1:3"]}
-    assert backends.select(environ={"TF_CONFIG": config(ps, {"type": "worker", "index": 0})})[0] != "multi_worker_mirrored"
+    assert strategies.select(environ={"TF_CONFIG": config(ps, {"type": "worker", "index": 0})})[0] != "multi_worker_mirrored"
     assert parse_tf_config(config({"chief": ["a:1"], **two}, {"type": "worker", "index": 1}))[1:] == ("worker", 1)
 
 
@@ -66,10 +67,10 @@ def test_bad_tf_config_gets_a_one_line_error(text, fix):
     assert "\n" not in str(error.value)
 
 
-def test_local_tasks_get_their_own_tf_config():
-    tasks = MultiWorkerMirroredBackend.local_tasks(2, 0, ["train.py"])
+def test_launcher_gives_each_worker_its_own_tf_config():
+    tasks = launchers.create(MultiWorkerMirroredStrategy.launcher).tasks(2, 0, ["train.py"])
     configs = [json.loads(t.env["TF_CONFIG"]) for t in tasks]
     assert [c["task"]["index"] for c in configs] == [0, 1]
     assert len(set(configs[0]["cluster"]["worker"])) == 2
     with pytest.raises(KerasDistError, match="drop --ps"):
-        MultiWorkerMirroredBackend.local_tasks(2, 1, ["train.py"])
+        launchers.create(MultiWorkerMirroredStrategy.launcher).tasks(2, 1, ["train.py"])

@@ -14,10 +14,12 @@ import pytest
 import tensorflow as tf
 
 from conftest import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, run
-from keras_dist import backends
-from keras_dist.backends.parameter_server import CoordinatedSteps, ParameterServerBackend, refuse_batch_log_readers
+from keras_dist import strategies
+from keras_dist import launchers
+from keras_dist.strategies.parameter_server.loop import CoordinatedSteps, refuse_batch_log_readers
+from keras_dist.strategies.parameter_server.strategy import ParameterServerStrategy
 from keras_dist.errors import KerasDistError
-from keras_dist.launcher import kill_process_groups
+from keras_dist.launchers.processes import kill_process_groups
 from keras_dist.tf_cluster import tcp_listeners
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,7 +31,7 @@ class LocalCluster:
     a test can kill and restart single tasks. Every process group dies at `close`."""
 
     def __init__(self, num_workers, num_ps, argv):
-        self.tasks = {t.name: t for t in ParameterServerBackend.local_tasks(num_workers, num_ps, [str(a) for a in argv])}
+        self.tasks = {t.name: t for t in launchers.create(ParameterServerStrategy.launcher).tasks(num_workers, num_ps, [str(a) for a in argv])}
         self.procs = {}
         self.chief_lines = []
         for name in self.tasks:
@@ -208,7 +210,7 @@ def test_losing_a_ps_stops_the_job_and_a_rerun_resumes_from_the_last_epoch(tmp_p
 def test_detected_from_tf_config_with_ps_tasks():
     cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
     config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})
-    assert backends.select(environ={"TF_CONFIG": config})[0] == "parameter_server"
+    assert strategies.select(environ={"TF_CONFIG": config})[0] == "parameter_server"
 
 
 @pytest.mark.parametrize("cluster, task, fix", [
@@ -218,19 +220,19 @@ def test_detected_from_tf_config_with_ps_tasks():
 def test_unusable_clusters_get_a_one_line_error(cluster, task, fix):
     config = json.dumps({"cluster": cluster, "task": {"type": task, "index": 0}})
     with pytest.raises(KerasDistError, match=fix) as error:
-        ParameterServerBackend.prepare_process({"TF_CONFIG": config})
+        ParameterServerStrategy.prepare_process({"TF_CONFIG": config})
     assert "\n" not in str(error.value)
 
 
-def test_local_tasks_describe_chief_workers_and_servers():
-    tasks = ParameterServerBackend.local_tasks(2, 1, ["train.py"])
+def test_launcher_describes_chief_workers_and_servers():
+    tasks = launchers.create(ParameterServerStrategy.launcher).tasks(2, 1, ["train.py"])
     assert [(t.name, t.serves) for t in tasks] == [("chief:0", False), ("worker:0", True), ("worker:1", True),
                                                    ("ps:0", True)]
     config = json.loads(tasks[0].env["TF_CONFIG"])
     addresses = [a for kind in config["cluster"].values() for a in kind]
     assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
     with pytest.raises(KerasDistError, match="add --ps 1"):
-        ParameterServerBackend.local_tasks(2, 0, ["train.py"])
+        launchers.create(ParameterServerStrategy.launcher).tasks(2, 0, ["train.py"])
 
 
 class ReadsBatchLogs(keras.callbacks.Callback):

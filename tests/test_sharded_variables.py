@@ -12,7 +12,7 @@ import tensorflow as tf
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from keras_dist import keras_workarounds
-from keras_dist.backends.parameter_server import _train_step_over_shards
+from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.errors import KerasDistError
 
 ROWS, DIM = 50, 4
@@ -62,7 +62,7 @@ def test_training_sharded_variables_matches_training_whole_ones(make_optimizer):
     initial_table = whole.get_layer("table").embeddings.numpy()
     whole.compile(optimizer=make_optimizer(), loss="mse", metrics=["mae"])
     sharded = sharded_model(make_optimizer())
-    keras_workarounds.sharded_embedding_lookups(sharded)
+    sharded_variables.embedding_lookups_by_shard(sharded)
     expected = train(whole, whole.train_step)
     losses = train(sharded, keras_workarounds.train_step_over_shards(sharded))
     np.testing.assert_allclose(losses, expected, rtol=1e-6)
@@ -80,7 +80,7 @@ def test_sharded_embedding_reads_only_its_batch_rows_and_gives_the_same_outputs(
     ids[0, 0] = -1  # the last row, as in Keras's lookup
     expected = model(ids).numpy()
     split(model.get_layer("table").embeddings, 3)
-    keras_workarounds.sharded_embedding_lookups(model)
+    sharded_variables.embedding_lookups_by_shard(model)
     assert "_lookup_by_shard" in model.get_layer("table").call.__qualname__
     np.testing.assert_allclose(model(ids).numpy(), expected, rtol=1e-6)
     ids[0, 0] = 0
@@ -120,13 +120,13 @@ def test_embedding_subclasses_and_sparse_ids_keep_keras_lookup():
     batch = data(1)[0][0]
     expected = model(batch).numpy()
     split(model.layers[1].embeddings, 2)
-    keras_workarounds.sharded_embedding_lookups(model)
+    sharded_variables.embedding_lookups_by_shard(model)
     np.testing.assert_allclose(model(batch).numpy(), expected, rtol=1e-6)
     layer = make_model().get_layer("table")
     sparse = tf.SparseTensor([[0, 0], [1, 2]], [3, 7], [2, 3])
     expected = layer(sparse).numpy()
     split(layer.embeddings, 2)
-    object.__setattr__(layer, "call", keras_workarounds._lookup_by_shard(layer))
+    object.__setattr__(layer, "call", sharded_variables._lookup_by_shard(layer))
     np.testing.assert_allclose(layer(sparse).numpy(), expected, rtol=1e-6)
 
 
@@ -138,22 +138,22 @@ class CustomStep(keras.Model):
 def test_sharded_variables_refuse_custom_train_steps_and_weight_decay_in_one_line():
     model = sharded_model(keras.optimizers.SGD(0.1), model_class=CustomStep)
     with pytest.raises(KerasDistError, match="CustomStep overrides train_step") as error:
-        _train_step_over_shards(model)
+        sharded_variables.train_step(model)
     assert "\n" not in str(error.value)
     with pytest.raises(KerasDistError, match="drop weight_decay"):
-        _train_step_over_shards(sharded_model(keras.optimizers.AdamW(0.01, weight_decay=0.01)))
+        sharded_variables.train_step(sharded_model(keras.optimizers.AdamW(0.01, weight_decay=0.01)))
     with pytest.raises(KerasDistError, match="drop use_ema"):
-        _train_step_over_shards(sharded_model(keras.optimizers.SGD(0.1, use_ema=True)))
-    assert _train_step_over_shards(sharded_model(keras.optimizers.SGD(0.1))) is not None
+        sharded_variables.train_step(sharded_model(keras.optimizers.SGD(0.1, use_ema=True)))
+    assert sharded_variables.train_step(sharded_model(keras.optimizers.SGD(0.1))) is not None
     # A frozen sharded table needs no gradient: Keras's own (custom) step is kept.
     frozen = sharded_model(keras.optimizers.SGD(0.1), model_class=CustomStep)
     frozen.get_layer("table").trainable = False
     frozen.get_layer("hidden").trainable = False
-    assert _train_step_over_shards(frozen) == frozen.train_step
+    assert sharded_variables.train_step(frozen) == frozen.train_step
 
 
 def test_bad_shard_size_and_run_eagerly_are_refused_in_one_line(monkeypatch):
-    from keras_dist.backends.parameter_server import ParameterServerBackend, _partitioner_from_environment
+    from keras_dist.strategies.parameter_server.strategy import ParameterServerStrategy, _partitioner_from_environment
 
     for text in ("0", "64k", "²"):
         monkeypatch.setenv("KERAS_DIST_MIN_SHARD_BYTES", text)
@@ -163,7 +163,7 @@ def test_bad_shard_size_and_run_eagerly_are_refused_in_one_line(monkeypatch):
     assert _partitioner_from_environment(2)(tf.TensorShape([1000, 8]), tf.float32) == [2, 1]
     model = make_model()
     model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
-    backend = object.__new__(ParameterServerBackend)  # the check comes before any cluster is used
+    backend = object.__new__(ParameterServerStrategy)  # the check comes before any cluster is used
     with pytest.raises(KerasDistError, match="drop run_eagerly=True") as error:
         backend.run_loop("fit", model, None, {})
     assert "\n" not in str(error.value)

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import runner  # noqa: E402
 
-from keras_dist.launcher import free_loopback_ports  # noqa: E402
+from keras_dist.launchers.processes import free_loopback_ports  # noqa: E402
 from keras_dist.tf_cluster import BIND_ALL_ENV, tcp_listeners  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)

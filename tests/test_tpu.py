@@ -8,8 +8,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import runner  # noqa: E402
 
-from keras_dist import backends  # noqa: E402
-from keras_dist.backends.tpu import tpu_address  # noqa: E402
+from keras_dist import strategies  # noqa: E402
+from keras_dist.strategies.tpu import tpu_address  # noqa: E402
 
 
 def test_address_selection(tmp_path):
@@ -23,8 +23,8 @@ def test_address_selection(tmp_path):
 
 
 def test_detection():
-    assert backends.select(environ={"TPU_NAME": "my-tpu"})[0] == "tpu"
-    assert backends.select(environ={})[0] == "single"
+    assert strategies.select(environ={"TPU_NAME": "my-tpu"})[0] == "tpu"
+    assert strategies.select(environ={})[0] == "single"
 
 
 @pytest.mark.timeout(300)

@@ -23,8 +23,8 @@ def callbacks_for_this_worker(callbacks, backend):
     Returns:
         A new list. On the chief, every callback, checkpoints written atomically
         (`make_writes_atomic`). On other workers, file-writing callbacks are dropped,
-        or, where the backend's saves are collective (every worker must take part in
-        a save), redirected to a scratch directory by the backend.
+        or, where the strategy's saves are collective (every worker must take part in
+        a save), replaced by the strategy's stand-in (`Strategy.worker_file_callback`).
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
@@ -32,10 +32,5 @@ def callbacks_for_this_worker(callbacks, backend):
     if backend.is_chief:
         return [backend.chief_file_callback(make_writes_atomic(c)) if isinstance(c, FILE_WRITING_CALLBACKS) else c
                 for c in callbacks]
-    kept = []
-    for callback in callbacks:
-        if not isinstance(callback, FILE_WRITING_CALLBACKS):
-            kept.append(callback)
-        elif backend.saves_are_collective:
-            kept.append(backend.redirect_to_scratch(callback))
-    return kept
+    kept = [backend.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks]
+    return [c for c in kept if c is not None]

@@ -14,7 +14,7 @@ import weakref
 
 import keras
 
-from keras_dist.launcher import process_ended
+from keras_dist.launchers.processes import process_ended
 from keras_dist.overrides import restore
 
 _SCRATCH_PREFIX = "keras_dist_scratch_"

@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--dataset] [--kill-rank R --kill-epoch K]
+       [--epochs E] [--callbacks] [--adam] [--dataset | --pydataset] [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
 TensorFlow and Horovod keras_dist imported.
@@ -21,6 +21,8 @@ parser.add_argument("--eval-samples", type=int, default=17)
 parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
 parser.add_argument("--adam", action="store_true")
 parser.add_argument("--dataset", action="store_true", help="fit on a tf.data pipeline (shuffle with a seed, map, batch)")
+parser.add_argument("--pydataset", action="store_true",
+                    help="fit, validate, evaluate and predict on keras.utils.PyDataset batches")
 parser.add_argument("--kill-rank", type=int, help="this rank kills itself at the end of --kill-epoch")
 parser.add_argument("--kill-epoch", type=int, default=0)
 args = parser.parse_args()
@@ -55,8 +57,31 @@ if args.callbacks:
         keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup")),
         keras.callbacks.CSVLogger(os.path.join(args.out, "log.csv")),
     ]
+
+
+class Batches(keras.utils.PyDataset):
+    """Consecutive batches of arrays, as a script's own PyDataset serves them."""
+
+    def __init__(self, *arrays):
+        super().__init__()
+        self.arrays = arrays
+
+    def __len__(self):
+        return -(-len(self.arrays[0]) // args.batch)
+
+    def __getitem__(self, index):
+        part = tuple(a[index * args.batch:(index + 1) * args.batch] for a in self.arrays)
+        return part if len(part) > 1 else part[0]
+
+
 validation = (x[:args.eval_samples], y[:args.eval_samples])  # uneven shards inside fit too
-if args.dataset:  # TensorFlow only for the input, as Keras on JAX or PyTorch allows
+evaluation_inputs = {"x": validation[0], "y": validation[1], "batch_size": args.batch}
+prediction_inputs = {"x": validation[0], "batch_size": args.batch}
+if args.pydataset:
+    inputs = {"x": Batches(x, y)}
+    validation = Batches(*validation)
+    evaluation_inputs, prediction_inputs = {"x": validation}, {"x": Batches(validation.arrays[0])}
+elif args.dataset:  # TensorFlow only for the input, as Keras on JAX or PyTorch allows
     import tensorflow as tf
 
     inputs = {"x": tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=5).map(lambda a, b: (a * 2.0, b))
@@ -65,9 +90,8 @@ else:
     inputs = {"x": x, "y": y, "batch_size": args.batch}
 history = model.fit(**inputs, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks,
                     validation_data=validation)
-evaluation = model.evaluate(x[:args.eval_samples], y[:args.eval_samples], batch_size=args.batch, verbose=0,
-                            return_dict=True)
-prediction = model.predict(x[:args.eval_samples], batch_size=args.batch, verbose=0)
+evaluation = model.evaluate(**evaluation_inputs, verbose=0, return_dict=True)
+prediction = model.predict(**prediction_inputs, verbose=0)
 result = {
     "describe": ctx.describe(),
     "keras_backend": keras.backend.backend(),

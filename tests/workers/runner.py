@@ -5,7 +5,7 @@ import os
 import sys
 
 from conftest import run_many  # tests/ is on sys.path under pytest
-from keras_dist.launcher import free_loopback_ports
+from keras_dist.launchers.processes import free_loopback_ports
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
 

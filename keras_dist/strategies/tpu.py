@@ -2,7 +2,7 @@
 
 import glob
 
-from keras_dist.backends.tf_strategy import StrategyBackend
+from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.errors import KerasDistError
 
 # Steps run per host call unless the script sets `steps_per_execution` itself: a TPU
@@ -34,7 +34,7 @@ def tpu_address(environ, requested=None, device_globs=("/dev/accel*", "/dev/vfio
     return None
 
 
-class TPUBackend(StrategyBackend):
+class TPUStrategy(TFDistributeStrategy):
     """Synchronous data parallelism over TPU cores.
 
     Selected when TPU_NAME or KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS is set (a TPU VM is used

@@ -6,9 +6,8 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 
 import itertools
 import os
-import sys
 
-from keras_dist.backends.base import Backend, GradientOptions
+from keras_dist.strategies.base import Strategy, GradientOptions
 from keras_dist.environments import MPIEnvironment
 from keras_dist.errors import KerasDistError
 
@@ -31,7 +30,7 @@ def _import_horovod():
     return hvd
 
 
-class HorovodBackend(Backend):
+class HorovodStrategy(Strategy):
     """Data parallelism with Horovod: gradients and metric states are all-reduced.
 
     Launch: `horovodrun -np 4 -H localhost:4 --gloo python train.py` (or `keras-dist
@@ -40,6 +39,7 @@ class HorovodBackend(Backend):
     """
 
     name = "horovod"
+    launcher = "horovod_gloo"
     reduces_in_keras_dist = True
 
     @classmethod
@@ -53,37 +53,6 @@ class HorovodBackend(Backend):
         local_size = MPIEnvironment.from_environ(environ).local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_size))
-
-    @classmethod
-    def local_tasks(cls, num_workers, num_ps, argv):
-        """One task per rank, with Horovod's Gloo rendezvous served from this process on loopback.
-
-        `horovodrun` would serve the rendezvous store on every interface (0.0.0.0) for
-        the whole job; a local cluster needs 127.0.0.1 only. The ranks are then direct
-        children of the launcher, which names, stops and reports each of them.
-        """
-        import threading
-
-        from keras_dist.launcher import Task
-
-        if num_ps:
-            raise KerasDistError("backend 'horovod' has no parameter servers; drop --ps")
-        try:
-            from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-            from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
-            from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
-        except ImportError:
-            raise KerasDistError("Horovod is not installed; build it with tools/build_horovod.sh") from None
-        slots = get_host_assignments(parse_hosts(f"localhost:{num_workers}"), num_workers)
-        store = RendezvousHTTPServer(("127.0.0.1", 0), RendezvousHandler, False)
-        store.init(slots)
-        threading.Thread(target=store.serve_forever, name="keras_dist-gloo-rendezvous", daemon=True).start()
-        job = create_run_env_vars("127.0.0.1", ["lo"], store.server_address[1])  # Gloo's own sockets: loopback too
-        return [
-            Task(f"rank:{slot.rank}", [sys.executable, *argv],
-                 env={**{k: str(v) for k, v in {**job, **create_slot_env_vars(slot)}.items()}, "PYTHONUNBUFFERED": "1"})
-            for slot in slots
-        ]
 
     def __init__(self):
         self._hvd = _import_horovod()

@@ -1,237 +1,22 @@
-"""Parameter-server training: `tf.distribute.ParameterServerStrategy` driven by `ClusterCoordinator`.
-
-Keras 3 has no parameter-server support (keras-team/keras#18624), so this backend runs
-`fit`, `evaluate` and `predict` itself, on the chief, with Keras's own `train_step`,
-`test_step` and `predict_step` executed on the workers as scheduled closures. Worker and
-ps tasks only serve: `import keras_dist` turns them into TensorFlow servers and never
-returns, so one unchanged script runs on every task.
-
-Training is asynchronous: each closure reads the variables on the ps tasks, computes
-one batch's update and applies it, while other workers do the same.
-"""
+"""`fit`, `evaluate` and `predict` on the chief, each step a closure scheduled on a worker."""
 
 import itertools
-import json
-import os
 import sys
 import threading
-import weakref
 from collections import deque
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, optimizer_hooks, tf_data_sharding
-from keras_dist.backends.base import Backend, GradientOptions
-from keras_dist.backends.tf_strategy import adopt_optimizer, move_variables
+from keras_dist import keras_workarounds, tf_data_sharding
+from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
 from keras_dist.errors import KerasDistError
-from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
 
-_SERVING_TASKS = ("worker", "ps")
-MIN_SHARD_BYTES_VAR = "KERAS_DIST_MIN_SHARD_BYTES"
 # Seconds a step may take before the job stops (first steps trace the function).
 STEP_TIMEOUT_VAR = "KERAS_DIST_STEP_TIMEOUT"
 DEFAULT_STEP_TIMEOUT = 120.0
-
-
-def _ps_cluster(environ):
-    """`(cluster, task_type, index)` of a TF_CONFIG that lists ps tasks, with one-line errors."""
-    cluster, kind, index = parse_tf_config(environ.get("TF_CONFIG", ""))
-    if not cluster.get("ps") or not cluster.get("worker"):
-        raise KerasDistError("backend 'parameter_server' needs TF_CONFIG with 'ps' and 'worker' tasks; "
-                             "launch with `keras-dist launch --backend parameter_server -n WORKERS --ps K`")
-    if kind not in ("chief", *_SERVING_TASKS):
-        raise KerasDistError(f"backend 'parameter_server' has no {kind!r} task; run evaluation on the chief "
-                             "(validation_data) and drop it from TF_CONFIG")
-    if len(cluster.get("chief", [])) != 1:
-        raise KerasDistError("backend 'parameter_server' needs exactly one 'chief' task in TF_CONFIG: "
-                             "it runs the script and schedules the steps")
-    return cluster, kind, index
-
-
-def serve(cluster, kind, index):
-    """Runs this process as TF_CONFIG's `kind:index` server until it is killed.
-
-    Args:
-        cluster: TF_CONFIG's cluster dict.
-        kind: "worker" or "ps".
-        index: the task index.
-    """
-    server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=kind, task_index=index,
-                                  protocol="grpc", start=True)
-    print(f"keras_dist: {kind}:{index} serving at {cluster[kind][index]} for the chief", file=sys.stderr, flush=True)
-    server.join()
-
-
-class ParameterServerBackend(Backend):
-    """Asynchronous training with variables on parameter servers.
-
-    Selected when TF_CONFIG lists `ps` tasks. Launch with
-    `keras-dist launch --backend parameter_server -n WORKERS --ps K train.py`, or set
-    TF_CONFIG on each task of a cluster with one `chief`, `worker` and `ps` tasks. The
-    chief runs the script; workers and ps tasks serve from `import keras_dist` on.
-
-    Inputs: NumPy arrays and finite `tf.data` datasets are read by the chief and each
-    batch is trained exactly once per epoch by whichever worker is free; an endless
-    dataset with `steps_per_epoch`, and a dataset function
-    (`fn(input_context) -> tf.data.Dataset`, which needs `steps_per_epoch`), are built
-    on every worker instead, which then reads and preprocesses its own copy.
-    `evaluate` and `predict` count every example exactly once,
-    even when a worker is lost mid-way.
-
-    Variables are placed whole, round-robin over the ps tasks, unless a partitioner
-    splits large ones (embedding tables) into shards on several ps tasks. A sharded
-    `Embedding` then reads and updates only the rows of each batch. Sharded variables
-    need Keras's own `train_step` and an optimizer without `weight_decay` or `use_ema`.
-
-    Args:
-        variable_partitioner: a `tf.distribute.experimental.partitioners` partitioner;
-            default: with `KERAS_DIST_MIN_SHARD_BYTES=N` set,
-            `MinSizePartitioner(min_shard_bytes=N, max_shards=<number of ps tasks>)`,
-            else none.
-        step_timeout: seconds a step may run before the job stops with a one-line
-            error (a frozen worker would otherwise stall it silently); default
-            `KERAS_DIST_STEP_TIMEOUT`, else 120.
-
-    Example:
-
-    ```python
-    ctx = keras_dist.init()  # on the chief; worker and ps tasks never get here
-    print(ctx.name, ctx.num_replicas)  # parameter_server, the number of workers
-    # Tables of 1 MiB and more split over up to 4 ps tasks, in shards of 1 MiB or more:
-    keras_dist.init(variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=1 << 20, max_shards=4))
-    ```
-    """
-
-    name = "parameter_server"
-
-    @classmethod
-    def detect(cls, environ) -> bool:
-        return bool((detected_cluster(environ) or {}).get("ps"))
-
-    @classmethod
-    def prepare_process(cls, environ) -> None:
-        cluster, kind, index = _ps_cluster(environ)
-        prepare_server_process(environ)
-        if kind in _SERVING_TASKS:
-            serve(cluster, kind, index)
-            sys.exit(0)
-        # The coordinator retries a step on another worker only if RPCs fail fast.
-        environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-        # Connecting moves this process's devices into the cluster and invalidates variables
-        # made before; connect now, so models the script builds before compile stay valid.
-        tf.config.experimental_connect_to_cluster(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
-                                                  job_name="chief")
-
-    @classmethod
-    def local_tasks(cls, num_workers, num_ps, argv):
-        from keras_dist.launcher import Task, free_loopback_ports
-
-        if num_ps < 1:
-            raise KerasDistError("backend 'parameter_server' needs at least one parameter server; add --ps 1")
-        ports = iter(free_loopback_ports(1 + num_workers + num_ps))
-        cluster = {"chief": [f"127.0.0.1:{next(ports)}"],
-                   "worker": [f"127.0.0.1:{next(ports)}" for _ in range(num_workers)],
-                   "ps": [f"127.0.0.1:{next(ports)}" for _ in range(num_ps)]}
-        loopback = loopback_binding_env(os.environ, "127.0.0.1")
-        return [
-            Task(f"{kind}:{i}", [sys.executable, *argv], serves=kind != "chief",
-                 env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}}), **loopback})
-            for kind in ("chief", "worker", "ps") for i in range(len(cluster[kind]))
-        ]
-
-    def __init__(self, variable_partitioner=None, step_timeout=None):
-        cluster, kind, _ = _ps_cluster(os.environ)
-        self.step_timeout = float(step_timeout or os.environ.get(STEP_TIMEOUT_VAR) or DEFAULT_STEP_TIMEOUT)
-        if kind != "chief":
-            raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
-                                 "only the 'chief' task runs the script past `import keras_dist`")
-        self.num_workers = len(cluster["worker"])
-        self.variable_partitioner = variable_partitioner or _partitioner_from_environment(len(cluster["ps"]))
-        self.strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
-                                                              variable_partitioner=self.variable_partitioner)
-        if self.strategy.num_replicas_in_sync > 1:
-            # Each closure trains one batch the chief read; splitting it over a worker's GPUs is not done.
-            raise KerasDistError("backend 'parameter_server' runs one replica per worker; give each worker task one "
-                                 "GPU (CUDA_VISIBLE_DEVICES) and start more worker tasks")
-        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
-        self._steps = weakref.WeakKeyDictionary()  # model -> CoordinatedSteps of its latest compile
-
-    @property
-    def num_replicas(self) -> int:
-        return self.num_workers
-
-    @property
-    def replicas_per_process(self) -> int:
-        return 1  # the chief reads batches of the script's size; each runs on one worker
-
-    def scope(self):
-        return self.strategy.scope()
-
-    def prepare_model(self, model):
-        move_variables(model, self.strategy)
-        keras_workarounds.sharded_variables_savable(model.variables)  # saving before fit too
-        self._steps.pop(model, None)  # a recompiled model gets new step functions
-        return model
-
-    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
-        if options.reduction != "mean" or options.compression:
-            raise KerasDistError("backend 'parameter_server' applies each worker's gradients as they come; "
-                                 "drop gradient_reduction and gradient_compression")
-        # These assign variables inside `tf.cond` branches, which the stateless step
-        # (see CoordinatedSteps) cannot hand back to the ps tasks.
-        for option in ("gradient_accumulation_steps", "ema_overwrite_frequency"):
-            if getattr(optimizer, option, None):
-                raise KerasDistError(f"backend 'parameter_server' does not support the optimizer's {option}; drop it")
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise KerasDistError("backend 'parameter_server' does not support LossScaleOptimizer (mixed_float16); "
-                                 "use float32 or mixed_bfloat16")
-        adopt_optimizer(optimizer, self.strategy)
-        if self.variable_partitioner is not None:
-            keras_workarounds.sharded_variable_updates(optimizer)
-
-    def describe(self) -> dict:
-        partitioner = self.variable_partitioner
-        return {**super().describe(), "workers": self.num_workers, "strategy": "ParameterServerStrategy",
-                "variable_partitioner": type(partitioner).__name__ if partitioner else None}
-
-    def run_loop(self, method, model, keras_method, arguments):
-        if model.run_eagerly:
-            raise KerasDistError("backend 'parameter_server' runs steps on workers as tf.functions; drop "
-                                 "run_eagerly=True (debug eagerly with KERAS_DIST_BACKEND=single)")
-        unbuilt = [o for o in optimizer_hooks.optimizers_of(model) if o is not model.optimizer and not o.built]
-        if unbuilt and method == "fit":
-            # It would build inside a step, where variables cannot be created on the ps tasks.
-            raise KerasDistError(f"backend 'parameter_server' needs every optimizer the model holds built before fit; "
-                                 f"call build(variables) on the {type(unbuilt[0]).__name__} optimizer your compile "
-                                 "takes, with the variables it updates")
-        steps = self._steps.get(model)
-        if steps is None:
-            steps = self._steps[model] = CoordinatedSteps(model, self.strategy, self.coordinator, self.num_workers,
-                                                         self.step_timeout)
-        try:
-            return getattr(steps, method)(**arguments)
-        except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as exc:
-            raise KerasDistError(_lost_task_message(exc)) from None
-
-
-def _partitioner_from_environment(num_ps):
-    text = os.environ.get(MIN_SHARD_BYTES_VAR, "")
-    if not text:
-        return None
-    if not text.isdecimal() or int(text) < 1:
-        raise KerasDistError(f"{MIN_SHARD_BYTES_VAR}={text!r} is not a positive number of bytes; "
-                             "set it to e.g. 262144 or unset it")
-    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=int(text), max_shards=num_ps)
-
-
-def _lost_task_message(exc):
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    return (f"a parameter server or the cluster became unreachable ({first}); restart the job: "
-            "the chief resumes from its last BackupAndRestore checkpoint")
 
 
 class CoordinatedSteps:
@@ -276,11 +61,11 @@ class CoordinatedSteps:
         model = self.model
         step = {"train": model.train_step, "test": model.test_step, "predict": model.predict_step}[kind]
         if any(keras_workarounds.is_sharded(v) for v in model.variables):
-            keras_workarounds.sharded_embedding_lookups(model)
+            sharded_variables.embedding_lookups_by_shard(model)
             keras_workarounds.sharded_variables_savable(model.variables + (model.optimizer.variables
                                                                            if model.optimizer else []))
             if kind == "train":
-                step = _train_step_over_shards(model)
+                step = sharded_variables.train_step(model)
         metric_variables = self._metric_variables()
         iterations = model.optimizer.iterations if model.optimizer is not None else None
         skipped = {id(v) for v in metric_variables} | {id(iterations)}
@@ -543,23 +328,6 @@ def _worker_running(remote):
                 return int(threads[ident].rsplit("-", 1)[1])
             frame = frame.f_back
     return None
-
-
-def _train_step_over_shards(model):
-    """Keras's `train_step` made to work with variables a partitioner split over ps tasks."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    train_step = keras_workarounds.train_step_over_shards(model)
-    if train_step is None:  # only frozen variables are sharded: Keras's step works
-        return model.train_step
-    if type(model).train_step is not TensorFlowTrainer.train_step:
-        raise KerasDistError(f"{type(model).__name__} overrides train_step, which cannot differentiate variables the "
-                             "variable_partitioner split; drop variable_partitioner or use Keras's train_step")
-    for option in ("weight_decay", "use_ema"):  # both update every variable through one colocated op
-        if getattr(model.optimizer, option):
-            raise KerasDistError(f"the optimizer's {option} cannot update variables the variable_partitioner split; "
-                                 f"drop {option} or variable_partitioner")
-    return train_step
 
 
 def _rebuildable_on_workers(x, steps_per_epoch):

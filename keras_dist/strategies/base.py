@@ -1,20 +1,24 @@
-"""The interface every keras_dist backend implements.
+"""The strategy interface: how Keras 3 trains on N replicas, whatever launched the processes.
 
-The rest of keras_dist (compile/fit wrapping, callbacks, input sharding, the launcher)
-talks to a backend only through this class, so a new backend is one new module beside
-the others plus one line in `keras_dist.backends.REGISTRY`.
+The rest of keras_dist (compile/fit wrapping, callbacks, input sharding, the CLI) talks
+to a strategy only through this class, so a new one is one module beside the others plus
+one line in `keras_dist.strategies.REGISTRY`. Who a process is comes from its cluster
+environment (`keras_dist.environments`); what starts a local cluster is a launcher
+(`keras_dist.launchers`), which a strategy names.
 
-Two families fit behind it:
+Three families fit behind it:
 
-* process-per-replica backends (Horovod): every process holds a full copy of the model;
-  keras_dist all-reduces gradients and metric states itself through the collectives below.
-* `tf.distribute` backends: the strategy replicates variables and reduces gradients and
-  metrics inside Keras; the backend hands out `scope()` and says how inputs are split.
+* process-per-replica strategies (Horovod, PyTorch): every process holds a full copy of
+  the model; keras_dist all-reduces gradients and metric states itself.
+* `tf.distribute` strategies: TensorFlow replicates variables and reduces gradients and
+  metrics inside Keras's step; keras_dist hands out `scope()` and splits the inputs.
+* one computation over every process's devices (JAX): XLA reduces inside the step.
 """
 
 import abc
 import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -53,42 +57,32 @@ class InputPlan:
     collective_steps: bool = False
 
 
-class Backend(abc.ABC):
+class Strategy(abc.ABC):
     """One way of running a Keras 3 model on several replicas.
 
-    Subclasses set `name` and implement the abstract members. Process topology is in
-    processes (`rank`, `size`); `num_replicas` counts model replicas, which is larger
-    than `size` when one process drives several devices.
+    keras_dist calls the strategy a process runs its *backend*: `keras_dist.init(backend=...)`
+    and `KERAS_DIST_BACKEND` pick one by `name`. Process topology is in processes (`rank`,
+    `size`); `num_replicas` counts model replicas, which is larger than `size` when one
+    process drives several devices.
     """
 
-    name: str = ""
-    # True when a checkpoint save is itself a collective (every worker must take part,
-    # non-chief workers then write to a scratch directory). False: non-chief workers skip.
-    saves_are_collective: bool = False
-    # True when keras_dist must reduce gradients and metric states itself.
-    reduces_in_keras_dist: bool = False
-    # True when fetching each batch is itself a collective (every worker must take the
-    # same number of steps); see `InputPlan.collective_steps`.
-    steps_are_collective: bool = False
-    # True when metric states already hold every process's contribution (a step computed
-    # over the global batch), so keras_dist must not sum them again.
-    metric_states_are_global: bool = False
+    name: ClassVar[str] = ""
+    # The `keras_dist.launchers` entry that starts a local cluster for it ("": none, the
+    # script runs as it is).
+    launcher: ClassVar[str] = ""
+    # True when Keras's step computes gradients and metric states from this process's
+    # batches alone, and keras_dist's hooks must reduce them (Horovod, PyTorch); False
+    # when the framework's step reduces them itself (tf.distribute, JAX).
+    reduces_in_keras_dist: ClassVar[bool] = False
 
     @classmethod
     def detect(cls, environ) -> bool:
-        """Whether the process was started by this backend's launcher."""
+        """Whether the process was started by a launcher this strategy trains under."""
         return False
 
     @classmethod
-    def local_tasks(cls, num_workers: int, num_ps: int, argv: list) -> list:
-        """The processes (`keras_dist.launcher.Task`) that run `argv` as a local cluster."""
-        from keras_dist.errors import KerasDistError
-
-        raise KerasDistError(f"backend {cls.name!r} has no local launcher; run the script directly")
-
-    @classmethod
     def prepare_process(cls, environ) -> None:
-        """Called at `import keras_dist`, before TensorFlow starts, when `detect` is true.
+        """Called at `import keras_dist`, before the framework starts, when `detect` is true.
 
         The place for settings TensorFlow reads only once (thread pools, visible devices).
         """
@@ -123,8 +117,7 @@ class Backend(abc.ABC):
     @property
     def input_plan(self) -> InputPlan:
         """How this process reads the script's inputs (default: one shard per process)."""
-        return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process,
-                         collective_steps=self.steps_are_collective)
+        return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
 
     # --- model and optimizer --------------------------------------------------
     def scope(self):
@@ -181,16 +174,27 @@ class Backend(abc.ABC):
         """Each NumPy array summed over processes (same shapes on every process), as a list."""
         return list(arrays)
 
+    def global_metric_states(self, variables) -> list:
+        """The values of metric state `variables` over every process's batches, as NumPy arrays.
+
+        By default each process holds its own share, summed here on the host.
+        """
+        import keras
+
+        return self.sum_arrays([keras.ops.convert_to_numpy(v.value) for v in variables])
+
     def barrier(self) -> None:
         pass
 
     def chief_file_callback(self, callback):
-        """A checkpoint or log callback as the chief runs it, while the others skip it."""
+        """A checkpoint or log callback as the chief runs it."""
         return callback
 
-    def redirect_to_scratch(self, callback):
-        """For `saves_are_collective` backends: `callback` writing to a scratch directory."""
-        raise NotImplementedError(f"backend {self.name!r} does not redirect saves")
+    def worker_file_callback(self, callback):
+        """What a worker other than the chief runs for a checkpoint or log callback: None
+        (the default) to drop it, or a callback that takes part in collective saves
+        without writing the user's files."""
+        return None
 
     def describe(self) -> dict:
         return {"backend": self.name, "rank": self.rank, "size": self.size,

@@ -1,7 +1,7 @@
 """`tf.distribute.MirroredStrategy`: one process, one replica per local GPU (or CPU device)."""
 
 
-from keras_dist.backends.tf_strategy import StrategyBackend, local_replica_devices, with_undivided_losses
+from keras_dist.strategies.tf_strategy import TFDistributeStrategy, local_replica_devices, with_undivided_losses
 
 
 def _visible_gpu_count(environ):
@@ -12,7 +12,7 @@ def _visible_gpu_count(environ):
     return len([d for d in value.split(",") if d.strip() and d.strip() != "-1"])
 
 
-class MirroredBackend(StrategyBackend):
+class MirroredStrategy(TFDistributeStrategy):
     """Synchronous data parallelism over the devices of one machine.
 
     Selected when `CUDA_VISIBLE_DEVICES` names more than one GPU (detection only reads

@@ -1,6 +1,6 @@
-"""Runs a script as a local cluster: one child process per task, torn down together.
+"""Runs a local cluster's tasks: one child process per task, torn down together.
 
-Backends describe their tasks (`Backend.local_tasks`); this module only starts them,
+Launchers describe the tasks (`keras_dist.launchers.Launcher`); this module starts them,
 prefixes every output line with its task's name, and stops everything when one task
 fails, or the launcher gets Ctrl-C or SIGTERM. The exit code is the first failing
 task's, 128 + the signal for a task killed by one (as a shell reports it).
@@ -18,31 +18,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 
 LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
-
-
-@dataclass
-class Task:
-    """One process of a local cluster.
-
-    Args:
-        name: the prefix of its output lines, e.g. `worker:1`.
-        argv: the command line.
-        env: variables added to the launcher's environment.
-        prefix_output: False when the command prefixes lines itself (`horovodrun`).
-        serves: a server that runs until stopped (parameter-server workers and ps
-            tasks): the job ends when every other task has, and a server that dies
-            does not stop the job (the chief decides whether it can go on).
-    """
-
-    name: str
-    argv: list
-    env: dict = field(default_factory=dict)
-    prefix_output: bool = True
-    serves: bool = False
 
 
 def free_loopback_ports(count):

@@ -14,42 +14,27 @@ cluster environment names a coordinator (`srun`, Keras's `KERAS_DISTRIBUTION_*`)
 """
 
 import os
-import sys
 
 import numpy as np
 
 from keras_dist import environments
-from keras_dist.backends.base import Backend, GradientOptions
+from keras_dist.strategies.base import Strategy, GradientOptions
 from keras_dist.errors import KerasDistError
 
 # Gradients travel in flat buckets of about this size: few collectives, bounded copies.
 BUCKET_BYTES = 25 * 2**20
 
 
-class TorchDistributedBackend(Backend):
+class TorchDistributedStrategy(Strategy):
     """Data parallelism on Keras's PyTorch backend with `torch.distributed`."""
 
     name = "torch"
+    launcher = "torchrun"
     reduces_in_keras_dist = True
 
     @classmethod
     def detect(cls, environ) -> bool:
         return environments.detect(environ).size > 1
-
-    @classmethod
-    def local_tasks(cls, num_workers, num_ps, argv):
-        from keras_dist.launcher import Task, free_loopback_ports
-
-        if num_ps:
-            raise KerasDistError("backend 'torch' has no parameter servers; drop --ps")
-        port = free_loopback_ports(1)[0]
-        return [
-            Task(f"rank:{i}", [sys.executable, *argv],
-                 env={"KERAS_BACKEND": "torch", "RANK": str(i), "WORLD_SIZE": str(num_workers), "LOCAL_RANK": str(i),
-                      "LOCAL_WORLD_SIZE": str(num_workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                      "PYTHONUNBUFFERED": "1"})
-            for i in range(num_workers)
-        ]
 
     def __init__(self):
         import keras

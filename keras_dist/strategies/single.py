@@ -1,9 +1,9 @@
 """The plain single-process backend: what a script gets without any launcher."""
 
-from keras_dist.backends.base import Backend
+from keras_dist.strategies.base import Strategy
 
 
-class SingleBackend(Backend):
+class SingleProcessStrategy(Strategy):
     """One process, one replica; keras_dist changes nothing about training."""
 
     name = "single"

@@ -1,10 +1,10 @@
 """`tf.distribute.OneDeviceStrategy`: one process, one replica, on a device of your choice."""
 
-from keras_dist.backends.tf_strategy import StrategyBackend
+from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.errors import KerasDistError
 
 
-class OneDeviceBackend(StrategyBackend):
+class OneDeviceStrategy(TFDistributeStrategy):
     """Everything (variables and compute) on one device: the first GPU, else the CPU.
 
     Trains as the `single` backend does, but pins the model to the device, so a script

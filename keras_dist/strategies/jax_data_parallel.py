@@ -17,13 +17,12 @@ own `KERAS_DISTRIBUTION_*` variables), with `KERAS_BACKEND=jax`.
 import contextlib
 import os
 import pickle
-import sys
 
 import keras
 import numpy as np
 
 from keras_dist import environments
-from keras_dist.backends.base import Backend, GradientOptions, InputPlan
+from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override
 
@@ -64,10 +63,11 @@ def _start_process_group(environ):
     _started = True
 
 
-class JaxDataParallelBackend(Backend):
+class JaxDataParallelStrategy(Strategy):
     """Synchronous data parallelism on Keras's JAX backend, over every process's devices."""
 
     name = "jax"
+    launcher = "keras_distribution"
 
     @classmethod
     def detect(cls, environ) -> bool:
@@ -76,23 +76,6 @@ class JaxDataParallelBackend(Backend):
     @classmethod
     def prepare_process(cls, environ) -> None:
         _start_process_group(environ)
-
-    @classmethod
-    def local_tasks(cls, num_workers, num_ps, argv):
-        from keras_dist.launcher import Task, free_loopback_ports
-
-        if num_ps:
-            raise KerasDistError("backend 'jax' has no parameter servers; drop --ps")
-        coordinator = f"127.0.0.1:{free_loopback_ports(1)[0]}"
-        env = {"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator,
-               "KERAS_DISTRIBUTION_NUM_PROCESSES": str(num_workers), "PYTHONUNBUFFERED": "1"}
-        flags = os.environ.get("XLA_FLAGS", "")
-        if num_workers > 1 and "intra_op_parallelism_threads" not in flags:
-            # Processes sharing this machine would each size XLA's CPU thread pool for all of it.
-            threads = max(1, (os.cpu_count() or 1) // num_workers)
-            env["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}".strip()
-        return [Task(f"rank:{i}", [sys.executable, *argv], env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)})
-                for i in range(num_workers)]
 
     def __init__(self):
         if keras.backend.backend() != "jax":
@@ -142,10 +125,10 @@ class JaxDataParallelBackend(Backend):
         _replicate(optimizer.variables)  # its step counter exists from the optimizer's creation
 
     # --- work one process does alone --------------------------------------------------
-    @property
-    def metric_states_are_global(self) -> bool:
-        # A train step is one computation over all processes; local steps are not.
-        return self._local_depth == 0
+    def global_metric_states(self, variables) -> list:
+        if self._local_depth == 0:  # a train step is one computation over all processes
+            return [keras.ops.convert_to_numpy(v.value) for v in variables]
+        return super().global_metric_states(variables)
 
     @contextlib.contextmanager
     def process_local_steps(self, model):

@@ -1,4 +1,4 @@
-"""Backend registry and factory: one string name per backend, one module per backend.
+"""Strategy registry and factory: one name per strategy (the *backend* a user picks), one module each.
 
 Selection order (first match wins), documented in the README:
   1. `keras_dist.init(backend=...)`, then the `KERAS_DIST_BACKEND` environment variable;
@@ -15,19 +15,19 @@ import sys
 from keras_dist.errors import KerasDistError
 
 # name -> (the Keras backend it trains on, "module:Class"); None: any. Order is detection
-# order. Adding a backend adds one line here. Detection skips entries for another Keras
+# order. Adding a strategy adds one line here. Detection skips entries for another Keras
 # backend without importing them, so Keras on JAX never imports TensorFlow.
 REGISTRY = {
-    "jax": ("jax", "keras_dist.backends.jax_data_parallel:JaxDataParallelBackend"),
-    "torch": ("torch", "keras_dist.backends.torch_distributed:TorchDistributedBackend"),
-    "horovod": ("tensorflow", "keras_dist.backends.horovod:HorovodBackend"),
-    "parameter_server": ("tensorflow", "keras_dist.backends.parameter_server:ParameterServerBackend"),
-    "multi_worker_mirrored": ("tensorflow", "keras_dist.backends.multi_worker_mirrored:MultiWorkerMirroredBackend"),
-    "tpu": ("tensorflow", "keras_dist.backends.tpu:TPUBackend"),
-    "mirrored": ("tensorflow", "keras_dist.backends.mirrored:MirroredBackend"),
-    "central_storage": ("tensorflow", "keras_dist.backends.central_storage:CentralStorageBackend"),
-    "one_device": ("tensorflow", "keras_dist.backends.one_device:OneDeviceBackend"),
-    "single": (None, "keras_dist.backends.single:SingleBackend"),
+    "jax": ("jax", "keras_dist.strategies.jax_data_parallel:JaxDataParallelStrategy"),
+    "torch": ("torch", "keras_dist.strategies.torch_distributed:TorchDistributedStrategy"),
+    "horovod": ("tensorflow", "keras_dist.strategies.horovod:HorovodStrategy"),
+    "parameter_server": ("tensorflow", "keras_dist.strategies.parameter_server.strategy:ParameterServerStrategy"),
+    "multi_worker_mirrored": ("tensorflow", "keras_dist.strategies.multi_worker_mirrored:MultiWorkerMirroredStrategy"),
+    "tpu": ("tensorflow", "keras_dist.strategies.tpu:TPUStrategy"),
+    "mirrored": ("tensorflow", "keras_dist.strategies.mirrored:MirroredStrategy"),
+    "central_storage": ("tensorflow", "keras_dist.strategies.central_storage:CentralStorageStrategy"),
+    "one_device": ("tensorflow", "keras_dist.strategies.one_device:OneDeviceStrategy"),
+    "single": (None, "keras_dist.strategies.single:SingleProcessStrategy"),
 }
 
 ENV_VAR = "KERAS_DIST_BACKEND"
@@ -51,7 +51,7 @@ def keras_backend(environ):
         return "tensorflow"
 
 
-def backend_class(name):
+def strategy_class(name):
     """The class registered under `name`; a one-line error lists the valid names."""
     if name not in REGISTRY:
         raise KerasDistError(
@@ -73,15 +73,34 @@ def select(requested=None, environ=None):
                                  f"set KERAS_BACKEND={trains_on} or choose another backend")
         return name, "requested by keras_dist.init(backend=...)" if requested else f"set by {ENV_VAR}"
     for name, (trains_on, _) in REGISTRY.items():
-        if name != "single" and trains_on in (None, running) and backend_class(name).detect(environ):
+        if name != "single" and trains_on in (None, running) and strategy_class(name).detect(environ):
             return name, f"detected the {name} launcher's environment"
     return "single", "no launcher detected"
 
 
 def create(name, **options):
     """A started backend; `options` go to its constructor (e.g. `tpu=` for `tpu`)."""
-    cls = backend_class(name)
+    cls = strategy_class(name)
     unknown = set(options) - set(inspect.signature(cls.__init__).parameters)
     if unknown:
         raise KerasDistError(f"backend {name!r} takes no option {', '.join(sorted(unknown))}; remove it from keras_dist.init")
     return cls(**options)
+
+
+def local_cluster(name, num_workers, num_ps, argv):
+    """The tasks (`keras_dist.launchers.Task`) of a local cluster that runs `argv` under strategy `name`.
+
+    Its launcher describes them; each task is also told the Keras backend the strategy
+    trains on, so `--backend jax` works without exporting KERAS_BACKEND.
+    """
+    from keras_dist import launchers
+
+    cls = strategy_class(name)
+    if not cls.launcher:
+        raise KerasDistError(f"backend {name!r} has no local launcher; run the script directly")
+    tasks = launchers.create(cls.launcher).tasks(num_workers, num_ps, argv)
+    trains_on = REGISTRY[name][0]
+    for task in tasks:
+        if trains_on:
+            task.env["KERAS_BACKEND"] = trains_on
+    return tasks

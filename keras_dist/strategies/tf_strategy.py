@@ -7,11 +7,11 @@ no reduction of its own (`reduces_in_keras_dist` stays False).
 
 import tensorflow as tf
 
-from keras_dist.backends.base import Backend, GradientOptions
+from keras_dist.strategies.base import Strategy, GradientOptions
 from keras_dist.errors import KerasDistError
 
 
-class StrategyBackend(Backend):
+class TFDistributeStrategy(Strategy):
     """A backend whose replicas are run by one `tf.distribute.Strategy`.
 
     Subclasses implement `make_strategy`; single-process strategies keep `rank` 0 and
@@ -31,6 +31,20 @@ class StrategyBackend(Backend):
 
     def scope(self):
         return self.strategy.scope()
+
+    def global_metric_states(self, variables) -> list:
+        """Summed over processes explicitly, each process's replicas first: reading a
+        per-replica (sync-on-read) variable may itself aggregate over every worker,
+        depending on the context."""
+        import numpy as np
+
+        def this_process(variable):
+            value = variable.value
+            if isinstance(value, tf.distribute.DistributedValues):
+                return np.sum([np.asarray(part) for part in self.strategy.experimental_local_results(value)], axis=0)
+            return np.asarray(value)
+
+        return self.sum_arrays([this_process(v) for v in variables])
 
     def prepare_model(self, model):
         """Moves `model`'s variables under the strategy, in place, keeping their values.
@@ -77,7 +91,7 @@ def with_undivided_losses(strategy_class):
 
     Keras divides every loss by `num_replicas_in_sync` inside a step; keras_dist sets the
     switch while it traces a step, so losses and their logs are one process's, and
-    divides each replica's gradients instead (`StrategyBackend.distribute_optimizer`).
+    divides each replica's gradients instead (`TFDistributeStrategy.distribute_optimizer`).
     """
 
     class UndividedLosses(strategy_class):

@@ -1,9 +1,9 @@
 """`tf.distribute.experimental.CentralStorageStrategy`: variables on the CPU, compute on every local device."""
 
-from keras_dist.backends.tf_strategy import StrategyBackend, local_replica_devices
+from keras_dist.strategies.tf_strategy import TFDistributeStrategy, local_replica_devices
 
 
-class CentralStorageBackend(StrategyBackend):
+class CentralStorageStrategy(TFDistributeStrategy):
     """Synchronous data parallelism on one machine with one copy of the variables, on the CPU.
 
     Each step runs on every GPU (else on every logical CPU device); the replicas read

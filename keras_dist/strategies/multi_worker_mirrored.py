@@ -5,23 +5,23 @@ gets each worker's shard as it is, with TF's own auto-sharding off, and hands ea
 replica its own batches.
 """
 
-import json
+import dataclasses
 import os
 import pickle
-import sys
 
-from keras_dist.backends.tf_strategy import StrategyBackend, with_undivided_losses
+from keras_dist.strategies.base import InputPlan
+from keras_dist.strategies.tf_strategy import TFDistributeStrategy, with_undivided_losses
 from keras_dist.callbacks.scratch import ScratchCallback
 from keras_dist.environments import TFConfigEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
-from keras_dist.tf_cluster import detected_cluster, loopback_binding_env, parse_tf_config, prepare_server_process
+from keras_dist.tf_cluster import detected_cluster, parse_tf_config, prepare_server_process
 
 # Created by `prepare_process`: collective ops must be configured at program start-up.
 _strategy = None
 
 
-class MultiWorkerMirroredBackend(StrategyBackend):
+class MultiWorkerMirroredStrategy(TFDistributeStrategy):
     """Synchronous data parallelism across machines with collective all-reduce.
 
     Selected when TF_CONFIG describes a cluster without parameter servers. Launch with
@@ -31,8 +31,7 @@ class MultiWorkerMirroredBackend(StrategyBackend):
     """
 
     name = "multi_worker_mirrored"
-    saves_are_collective = True
-    steps_are_collective = True
+    launcher = "tf_config"
 
     @classmethod
     def detect(cls, environ) -> bool:
@@ -49,21 +48,6 @@ class MultiWorkerMirroredBackend(StrategyBackend):
         if _strategy is None:
             prepare_server_process(environ)
             _strategy = _make_strategy()
-
-    @classmethod
-    def local_tasks(cls, num_workers, num_ps, argv):
-        from keras_dist.launcher import Task, free_loopback_ports
-
-        if num_ps:
-            raise KerasDistError("backend 'multi_worker_mirrored' has no parameter servers; drop --ps")
-        workers = [f"127.0.0.1:{port}" for port in free_loopback_ports(num_workers)]
-        loopback = loopback_binding_env(os.environ, "127.0.0.1")  # spares each task a restart
-        return [
-            Task(f"worker:{i}", [sys.executable, *argv],
-                 env={"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}),
-                      **loopback})
-            for i in range(num_workers)
-        ]
 
     def __init__(self):
         environment = TFConfigEnvironment.from_environ(os.environ)
@@ -155,7 +139,13 @@ class MultiWorkerMirroredBackend(StrategyBackend):
 
         self._sum(np.zeros(1, np.int32))
 
-    def redirect_to_scratch(self, callback):
+    @property
+    def input_plan(self) -> InputPlan:
+        # Every step is a collective: uneven evaluation shards must still end together.
+        return dataclasses.replace(super().input_plan, collective_steps=True)
+
+    def worker_file_callback(self, callback):
+        # Saving is a collective too: the other workers save into scratch directories.
         return ScratchCallback(callback)
 
 

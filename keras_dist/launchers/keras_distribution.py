@@ -1,0 +1,27 @@
+"""The variables `keras.distribution.initialize` reads, on one host (JAX's coordinator)."""
+
+import os
+import sys
+
+from keras_dist.launchers.base import Launcher, Task
+from keras_dist.launchers.processes import free_loopback_ports
+
+
+class KerasDistributionLauncher(Launcher):
+    """One task per process: `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the coordinator on
+    loopback), `KERAS_DISTRIBUTION_NUM_PROCESSES` and `KERAS_DISTRIBUTION_PROCESS_ID`."""
+
+    name = "keras_distribution"
+
+    def _tasks(self, num_workers, num_ps, argv):
+        coordinator = f"127.0.0.1:{free_loopback_ports(1)[0]}"
+        env = {"KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator, "KERAS_DISTRIBUTION_NUM_PROCESSES": str(num_workers),
+               "PYTHONUNBUFFERED": "1"}
+        flags = os.environ.get("XLA_FLAGS", "")
+        if num_workers > 1 and "intra_op_parallelism_threads" not in flags:
+            # Processes sharing this machine would each size XLA's CPU thread pool for all
+            # of it; XLA reads its flags once, when JAX starts, so they go in up front.
+            threads = max(1, (os.cpu_count() or 1) // num_workers)
+            env["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}".strip()
+        return [Task(f"rank:{i}", [sys.executable, *argv], env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)})
+                for i in range(num_workers)]

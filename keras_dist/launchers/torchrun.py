@@ -1,0 +1,22 @@
+"""torchrun's variables on one host, without torchrun: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`..."""
+
+import sys
+
+from keras_dist.launchers.base import Launcher, Task
+from keras_dist.launchers.processes import free_loopback_ports
+
+
+class TorchrunLauncher(Launcher):
+    """One task per rank; rank 0 serves the rendezvous on a free loopback port."""
+
+    name = "torchrun"
+
+    def _tasks(self, num_workers, num_ps, argv):
+        port = free_loopback_ports(1)[0]
+        return [
+            Task(f"rank:{i}", [sys.executable, *argv],
+                 env={"RANK": str(i), "WORLD_SIZE": str(num_workers), "LOCAL_RANK": str(i),
+                      "LOCAL_WORLD_SIZE": str(num_workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                      "PYTHONUNBUFFERED": "1"})
+            for i in range(num_workers)
+        ]

@@ -1,0 +1,171 @@
+"""The parameter-server strategy, as the chief runs it (`keras_dist.init` on the chief)."""
+
+import os
+import sys
+import weakref
+
+import keras
+import tensorflow as tf
+
+from keras_dist import keras_workarounds, optimizer_hooks
+from keras_dist.errors import KerasDistError
+from keras_dist.strategies.base import GradientOptions, Strategy
+from keras_dist.strategies.parameter_server.loop import DEFAULT_STEP_TIMEOUT, STEP_TIMEOUT_VAR, CoordinatedSteps
+from keras_dist.strategies.parameter_server.server import SERVING_TASKS, ps_cluster, serve
+from keras_dist.strategies.tf_strategy import adopt_optimizer, move_variables
+from keras_dist.tf_cluster import detected_cluster, prepare_server_process
+
+MIN_SHARD_BYTES_VAR = "KERAS_DIST_MIN_SHARD_BYTES"
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous training with variables on parameter servers.
+
+    Selected when TF_CONFIG lists `ps` tasks. Launch with
+    `keras-dist launch --backend parameter_server -n WORKERS --ps K train.py`, or set
+    TF_CONFIG on each task of a cluster with one `chief`, `worker` and `ps` tasks. The
+    chief runs the script; workers and ps tasks serve from `import keras_dist` on.
+
+    Inputs: NumPy arrays and finite `tf.data` datasets are read by the chief and each
+    batch is trained exactly once per epoch by whichever worker is free; an endless
+    dataset with `steps_per_epoch`, and a dataset function
+    (`fn(input_context) -> tf.data.Dataset`, which needs `steps_per_epoch`), are built
+    on every worker instead, which then reads and preprocesses its own copy.
+    `evaluate` and `predict` count every example exactly once,
+    even when a worker is lost mid-way.
+
+    Variables are placed whole, round-robin over the ps tasks, unless a partitioner
+    splits large ones (embedding tables) into shards on several ps tasks. A sharded
+    `Embedding` then reads and updates only the rows of each batch. Sharded variables
+    need Keras's own `train_step` and an optimizer without `weight_decay` or `use_ema`.
+
+    Args:
+        variable_partitioner: a `tf.distribute.experimental.partitioners` partitioner;
+            default: with `KERAS_DIST_MIN_SHARD_BYTES=N` set,
+            `MinSizePartitioner(min_shard_bytes=N, max_shards=<number of ps tasks>)`,
+            else none.
+        step_timeout: seconds a step may run before the job stops with a one-line
+            error (a frozen worker would otherwise stall it silently); default
+            `KERAS_DIST_STEP_TIMEOUT`, else 120.
+
+    Example:
+
+    ```python
+    ctx = keras_dist.init()  # on the chief; worker and ps tasks never get here
+    print(ctx.name, ctx.num_replicas)  # parameter_server, the number of workers
+    # Tables of 1 MiB and more split over up to 4 ps tasks, in shards of 1 MiB or more:
+    keras_dist.init(variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=1 << 20, max_shards=4))
+    ```
+    """
+
+    name = "parameter_server"
+    launcher = "tf_config_with_ps"
+
+    @classmethod
+    def detect(cls, environ) -> bool:
+        return bool((detected_cluster(environ) or {}).get("ps"))
+
+    @classmethod
+    def prepare_process(cls, environ) -> None:
+        cluster, kind, index = ps_cluster(environ)
+        prepare_server_process(environ)
+        if kind in SERVING_TASKS:
+            serve(cluster, kind, index)
+            sys.exit(0)
+        # The coordinator retries a step on another worker only if RPCs fail fast.
+        environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+        # Connecting moves this process's devices into the cluster and invalidates variables
+        # made before; connect now, so models the script builds before compile stay valid.
+        tf.config.experimental_connect_to_cluster(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+                                                  job_name="chief")
+
+    def __init__(self, variable_partitioner=None, step_timeout=None):
+        cluster, kind, _ = ps_cluster(os.environ)
+        self.step_timeout = float(step_timeout or os.environ.get(STEP_TIMEOUT_VAR) or DEFAULT_STEP_TIMEOUT)
+        if kind != "chief":
+            raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
+                                 "only the 'chief' task runs the script past `import keras_dist`")
+        self.num_workers = len(cluster["worker"])
+        self.variable_partitioner = variable_partitioner or _partitioner_from_environment(len(cluster["ps"]))
+        self.strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+                                                              variable_partitioner=self.variable_partitioner)
+        if self.strategy.num_replicas_in_sync > 1:
+            # Each closure trains one batch the chief read; splitting it over a worker's GPUs is not done.
+            raise KerasDistError("backend 'parameter_server' runs one replica per worker; give each worker task one "
+                                 "GPU (CUDA_VISIBLE_DEVICES) and start more worker tasks")
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        self._steps = weakref.WeakKeyDictionary()  # model -> CoordinatedSteps of its latest compile
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_workers
+
+    @property
+    def replicas_per_process(self) -> int:
+        return 1  # the chief reads batches of the script's size; each runs on one worker
+
+    def scope(self):
+        return self.strategy.scope()
+
+    def prepare_model(self, model):
+        move_variables(model, self.strategy)
+        keras_workarounds.sharded_variables_savable(model.variables)  # saving before fit too
+        self._steps.pop(model, None)  # a recompiled model gets new step functions
+        return model
+
+    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+        if options.reduction != "mean" or options.compression:
+            raise KerasDistError("backend 'parameter_server' applies each worker's gradients as they come; "
+                                 "drop gradient_reduction and gradient_compression")
+        # These assign variables inside `tf.cond` branches, which the stateless step
+        # (see CoordinatedSteps) cannot hand back to the ps tasks.
+        for option in ("gradient_accumulation_steps", "ema_overwrite_frequency"):
+            if getattr(optimizer, option, None):
+                raise KerasDistError(f"backend 'parameter_server' does not support the optimizer's {option}; drop it")
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise KerasDistError("backend 'parameter_server' does not support LossScaleOptimizer (mixed_float16); "
+                                 "use float32 or mixed_bfloat16")
+        adopt_optimizer(optimizer, self.strategy)
+        if self.variable_partitioner is not None:
+            keras_workarounds.sharded_variable_updates(optimizer)
+
+    def describe(self) -> dict:
+        partitioner = self.variable_partitioner
+        return {**super().describe(), "workers": self.num_workers, "strategy": "ParameterServerStrategy",
+                "variable_partitioner": type(partitioner).__name__ if partitioner else None}
+
+    def run_loop(self, method, model, keras_method, arguments):
+        if model.run_eagerly:
+            raise KerasDistError("backend 'parameter_server' runs steps on workers as tf.functions; drop "
+                                 "run_eagerly=True (debug eagerly with KERAS_DIST_BACKEND=single)")
+        unbuilt = [o for o in optimizer_hooks.optimizers_of(model) if o is not model.optimizer and not o.built]
+        if unbuilt and method == "fit":
+            # It would build inside a step, where variables cannot be created on the ps tasks.
+            raise KerasDistError(f"backend 'parameter_server' needs every optimizer the model holds built before fit; "
+                                 f"call build(variables) on the {type(unbuilt[0]).__name__} optimizer your compile "
+                                 "takes, with the variables it updates")
+        steps = self._steps.get(model)
+        if steps is None:
+            steps = self._steps[model] = CoordinatedSteps(model, self.strategy, self.coordinator, self.num_workers,
+                                                         self.step_timeout)
+        try:
+            return getattr(steps, method)(**arguments)
+        except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as exc:
+            raise KerasDistError(_lost_task_message(exc)) from None
+
+
+def _partitioner_from_environment(num_ps):
+    text = os.environ.get(MIN_SHARD_BYTES_VAR, "")
+    if not text:
+        return None
+    if not text.isdecimal() or int(text) < 1:
+        raise KerasDistError(f"{MIN_SHARD_BYTES_VAR}={text!r} is not a positive number of bytes; "
+                             "set it to e.g. 262144 or unset it")
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=int(text), max_shards=num_ps)
+
+
+def _lost_task_message(exc):
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return (f"a parameter server or the cluster became unreachable ({first}); restart the job: "
+            "the chief resumes from its last BackupAndRestore checkpoint")
