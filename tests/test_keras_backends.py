@@ -63,6 +63,8 @@ def test_two_processes_match_one_at_twice_the_batch_and_only_the_chief_writes(tm
         assert result["imported_by_keras_dist"] == []  # neither TensorFlow nor Horovod
         assert len(result["predict"]) == 17  # the whole prediction, in input order, on every process
         assert_same_training(result, reference)
+        if keras_backend == "torch":  # gradients all-reduced while backward ran, not after it
+            assert result["describe"]["buckets_started_in_backward"] > 0
     # Checkpoint and CSV log from the chief alone; the backup is removed when fit ends.
     assert sorted(os.listdir(out_dir)) == ["ckpt.weights.h5", "log.csv", "result-0.json", "result-1.json"]
 
@@ -140,4 +142,17 @@ def test_torchrun_launches_the_same_training(tmp_path):
     for rank in range(2):
         result = load(out_dir, rank)
         assert result["describe"]["backend"] == "torch"
+        assert_same_training(result, reference)
+
+
+def test_pytorch_two_backward_passes_per_step_with_an_optimizer_each(tmp_path):
+    # A GAN-shaped custom train_step: each backward yields gradients for both layers, and
+    # one optimizer updates one layer after it. Gradient hooks start buckets for both.
+    pytest.importorskip("torch")
+    reference = single("torch", tmp_path / "single", "--batch", 16, "--adam", "--two-optimizers")
+    code, out = launch("torch", tmp_path / "distributed", "--batch", 8, "--adam", "--two-optimizers")
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        result = load(tmp_path / "distributed", rank)
+        assert result["describe"]["buckets_started_in_backward"] > 0
         assert_same_training(result, reference)

@@ -1,9 +1,10 @@
 """Keras 3 on PyTorch: one process per replica, collectives through `torch.distributed`.
 
-Each process runs Keras's own torch steps on its interleaved share of the inputs; the
-optimizer hook (`keras_dist.optimizer_hooks`) all-reduces the gradients once per applied
-update, in flat buckets, before clipping and the update rule, as DDP does after its
-backward pass. Metric states are summed across processes at each epoch's end (and in
+Each process runs Keras's own torch steps on its interleaved share of the inputs. The
+gradients are all-reduced once per applied update, in flat buckets, before clipping and
+the update rule (`keras_dist.optimizer_hooks`); as in DDP, each bucket's all-reduce starts
+during the backward pass, as soon as its gradients are ready (`OverlappedGradients`).
+Metric states are summed across processes at each epoch's end (and in
 every step where a callback reads batch logs), and the chief's initial state is
 broadcast to all, as on Horovod. Gloo carries the collectives on CPUs, NCCL on GPUs
 (each process then drives the GPU of its local rank).
@@ -14,12 +15,14 @@ cluster environment names a coordinator (`srun`, Keras's `KERAS_DISTRIBUTION_*`)
 """
 
 import os
+import weakref
 
 import numpy as np
 
 from keras_dist import environments
-from keras_dist.strategies.base import Strategy, GradientOptions
 from keras_dist.errors import KerasDistError
+from keras_dist.overrides import override, set_while
+from keras_dist.strategies.base import GradientOptions, Strategy
 
 # Gradients travel in flat buckets of about this size: few collectives, bounded copies.
 BUCKET_BYTES = 25 * 2**20
@@ -63,6 +66,8 @@ class TorchDistributedStrategy(Strategy):
         # NCCL collectives take tensors on the GPU; gloo's host collectives take CPU tensors.
         self._device = torch.device("cuda") if dist.is_initialized() and dist.get_backend() == "nccl" else \
             torch.device("cpu")
+        self.in_train_step = False  # gradient hooks start collectives only inside train steps
+        self._overlapped = weakref.WeakKeyDictionary()  # optimizer -> its OverlappedGradients
 
     @property
     def rank(self) -> int:
@@ -77,16 +82,45 @@ class TorchDistributedStrategy(Strategy):
         return self._local_rank
 
     # --- gradients --------------------------------------------------------------
+    def prepare_model(self, model):
+        if self.size > 1:
+            # Marks the model's train steps (Keras's or the script's own), the only place a
+            # backward pass may start collectives: a backward on one process alone (the
+            # chief's own analysis after fit) must not.
+            step = model.train_step
+
+            def train_step(data):
+                with set_while(self, "in_train_step", True):
+                    return step(data)
+
+            override(model, "train_step", train_step)
+        return model
+
     def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+        import keras
+
         from keras_dist import optimizer_hooks
 
         torch, dist = self._torch, self._dist
         if self.size == 1:
             return
+        stale = self._overlapped.pop(optimizer, None)  # compiled again: its hooks go
+        if stale is not None:
+            stale.remove()
+        # Where the optimizer rescales or accumulates gradients first, the tensors it
+        # reduces are never the ones backward produced: reduce them at the update only.
+        overlaps = not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
+            not optimizer.gradient_accumulation_steps and optimizer.loss_scale_factor is None
 
         def allreduce_gradients(grads):
             present = [g for g in grads if g is not None]
-            reduced = iter(self._allreduce_in_buckets(present, options))
+            overlapped = self._overlapped.get(optimizer)
+            if overlapped is not None:
+                reduced = iter(overlapped.reduce(present))
+            else:
+                reduced = iter(self._allreduce_in_buckets(present, options))
+                if overlaps:  # built at the first update, when the optimizer knows its variables
+                    self._overlapped[optimizer] = OverlappedGradients(self, optimizer._trainable_variables, options)
             return [None if g is None else next(reduced) for g in grads]
 
         def all_finite(is_finite):
@@ -98,27 +132,29 @@ class TorchDistributedStrategy(Strategy):
 
     def _allreduce_in_buckets(self, tensors, options):
         """Each tensor summed (or averaged) over processes, through a few flat collectives."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        torch, dist = self._torch, self._dist
-        out, bucket, size = [], [], 0
-        for tensor in [*tensors, None]:  # None closes the last bucket
-            fits = bucket and tensor is not None and tensor.dtype == bucket[0].dtype and \
-                size + tensor.numel() * tensor.element_size() <= BUCKET_BYTES
-            if tensor is not None and (not bucket or fits):
-                bucket.append(tensor)
-                size += tensor.numel() * tensor.element_size()
-                continue
-            if bucket:
-                flat = _flatten_dense_tensors(bucket)  # one dtype per bucket
-                wire = flat.to(torch.float16) if options.compression == "fp16" else flat
-                dist.all_reduce(wire)
-                flat = wire.to(flat.dtype)
-                if options.reduction == "mean":
-                    flat /= self.size
-                out += list(_unflatten_dense_tensors(flat, bucket))
-            bucket, size = ([tensor], tensor.numel() * tensor.element_size()) if tensor is not None else ([], 0)
+        out = []
+        for bucket in buckets(tensors):
+            out += self._finish_allreduce(self._start_allreduce(bucket, options), bucket, options)
         return out
+
+    def _start_allreduce(self, tensors, options):
+        """Starts summing `tensors` (one dtype) over processes as one flat tensor; `(work, flat)`."""
+        from torch._utils import _flatten_dense_tensors
+
+        flat = _flatten_dense_tensors(tensors)
+        wire = flat.to(self._torch.float16) if options.compression == "fp16" else flat
+        return self._dist.all_reduce(wire, async_op=True), wire
+
+    def _finish_allreduce(self, started, tensors, options):
+        """Waits for `_start_allreduce`; the summed (or averaged) tensors, shaped as `tensors`."""
+        from torch._utils import _unflatten_dense_tensors
+
+        work, wire = started
+        work.wait()
+        flat = wire.to(tensors[0].dtype)
+        if options.reduction == "mean":
+            flat /= self.size
+        return list(_unflatten_dense_tensors(flat, tensors))
 
     def sum_across_processes_in_step(self, tensors):
         tensors = [self._torch.as_tensor(t) for t in tensors]
@@ -161,3 +197,108 @@ class TorchDistributedStrategy(Strategy):
     def barrier(self) -> None:
         if self.size > 1:
             self._dist.barrier()
+
+    def describe(self) -> dict:
+        # How many gradient buckets began their all-reduce during a backward pass: 0 means
+        # no overlap (loss scaling, gradient accumulation, or a step without backward).
+        return {**super().describe(),
+                "buckets_started_in_backward": sum(o.started_in_backward for o in self._overlapped.values())}
+
+
+def buckets(tensors):
+    """`tensors` in consecutive runs of one dtype and at most `BUCKET_BYTES` (one tensor may exceed it)."""
+    runs, size = [], 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if runs and tensor.dtype == runs[-1][0].dtype and size + nbytes <= BUCKET_BYTES:
+            runs[-1].append(tensor)
+            size += nbytes
+        else:
+            runs.append([tensor])
+            size = nbytes
+    return runs
+
+
+class OverlappedGradients:
+    """One optimizer's gradients all-reduced during the backward pass, bucket by bucket, as DDP does.
+
+    Buckets hold the optimizer's variables in reverse order, as backward yields the last
+    layers' gradients first. A hook on each variable notes its gradient ready; once every
+    gradient of the next bucket is, that bucket's asynchronous all-reduce starts. Buckets
+    start in the same order on every process, so the collectives match. At the update,
+    `reduce` starts the buckets still waiting, waits for all, and returns the reduced
+    value of each gradient that is the very tensor a bucket carried, unchanged since; any
+    other (a custom step's own tensors, a second backward) is reduced there and then.
+
+    Args:
+        strategy: the `TorchDistributedStrategy`.
+        variables: the Keras variables the optimizer updates.
+        options: the `GradientOptions`.
+    """
+
+    def __init__(self, strategy, variables, options):
+        self.strategy, self.options = strategy, options
+        self.params = [v.value for v in variables][::-1]
+        self.buckets = []  # lists of indices into params
+        for run in buckets(self.params):
+            start = sum(len(b) for b in self.buckets)
+            self.buckets.append(list(range(start, start + len(run))))
+        self.bucket_of = [k for k, bucket in enumerate(self.buckets) for _ in bucket]
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+        self.started_in_backward = 0
+        self._new_round()
+
+    def _new_round(self):
+        self.waiting = [set(bucket) for bucket in self.buckets]
+        self.started = []  # per started bucket: ((work, wire), [(gradient, its version)])
+
+    def _ready(self, param):
+        if not self.strategy.in_train_step:
+            return
+        index = self.index_of[id(param)]
+        if len(self.started) > self.bucket_of[index]:
+            self._wait_all()  # another backward in the same step (a GAN's): start over
+            self._new_round()
+        self.waiting[self.bucket_of[index]].discard(index)
+        while len(self.started) < len(self.buckets) and not self.waiting[len(self.started)]:
+            self._start(len(self.started))
+            self.started_in_backward += 1
+
+    def _start(self, k):
+        torch = self.strategy._torch
+        grads = [self.params[i].grad for i in self.buckets[k]]
+        tensors = [torch.zeros_like(self.params[i]) if g is None else g for i, g in zip(self.buckets[k], grads)]
+        started = self.strategy._start_allreduce(tensors, self.options)
+        self.started.append((started, [(g, None if g is None else g._version) for g in grads]))
+
+    def _wait_all(self):
+        for (work, _), _ in self.started:
+            work.wait()
+
+    def reduce(self, grads):
+        """`grads` (this step's) each summed or averaged over processes."""
+        if self.started:  # hooks fired this step, on every process: finish every bucket
+            while len(self.started) < len(self.buckets):
+                self._start(len(self.started))
+        carried = {}
+        for k, (started, sources) in enumerate(self.started):
+            values = self.strategy._finish_allreduce(started, [self.params[i] for i in self.buckets[k]], self.options)
+            carried.update({id(g): (g, version, value) for (g, version), value in zip(sources, values) if g is not None})
+        self._new_round()
+        out, late = [], []
+        for grad in grads:
+            carried_grad, version, value = carried.get(id(grad), (None, None, None))
+            if carried_grad is grad and grad._version == version:
+                out.append(value)
+            else:
+                out.append(None)
+                late.append(grad)
+        late = iter(self.strategy._allreduce_in_buckets(late, self.options))
+        return [next(late) if value is None else value for value in out]
+
+    def remove(self):
+        """Removes the hooks, after any all-reduce still running."""
+        self._wait_all()
+        for hook in self.hooks:
+            hook.remove()

@@ -1,7 +1,8 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--dataset | --pydataset] [--kill-rank R --kill-epoch K]
+       [--epochs E] [--callbacks] [--adam] [--dataset | --pydataset] [--two-optimizers]
+       [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
 TensorFlow and Horovod keras_dist imported.
@@ -23,6 +24,8 @@ parser.add_argument("--adam", action="store_true")
 parser.add_argument("--dataset", action="store_true", help="fit on a tf.data pipeline (shuffle with a seed, map, batch)")
 parser.add_argument("--pydataset", action="store_true",
                     help="fit, validate, evaluate and predict on keras.utils.PyDataset batches")
+parser.add_argument("--two-optimizers", action="store_true",
+                    help="PyTorch only: a custom train_step with two backward passes, each layer its own optimizer")
 parser.add_argument("--kill-rank", type=int, help="this rank kills itself at the end of --kill-epoch")
 parser.add_argument("--kill-epoch", type=int, default=0)
 args = parser.parse_args()
@@ -39,9 +42,44 @@ keras.utils.set_random_seed(1)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(args.samples, 5)).astype("float32")
 y = (x @ rng.normal(size=(5, 1)) + 0.1).astype("float32")
-model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
-keras_dist.compile(model, optimizer=keras.optimizers.Adam(0.02) if args.adam else keras.optimizers.SGD(0.05),
-                   loss="mse", metrics=["mae"])
+
+
+class TwoOptimizers(keras.Model):
+    """A custom PyTorch train_step in the shape of a GAN's: two backward passes per step,
+    each followed by the update of one layer, with an optimizer of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(4, activation="tanh")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    def compile(self, hidden_optimizer, out_optimizer, **kwargs):
+        super().compile(**kwargs)
+        self.hidden_optimizer, self.out_optimizer = hidden_optimizer, out_optimizer
+
+    def train_step(self, data):
+        x, y = data
+        for layer, optimizer in ((self.out, self.out_optimizer), (self.hidden, self.hidden_optimizer)):
+            self.zero_grad()
+            loss = keras.ops.mean((self(x) - y) ** 2)
+            loss.backward()  # gradients for both layers; one is updated
+            optimizer.apply([v.value.grad for v in layer.trainable_weights], layer.trainable_weights)
+        return self.compute_metrics(x, y, self(x))
+
+
+def optimizer():
+    return keras.optimizers.Adam(0.02) if args.adam else keras.optimizers.SGD(0.05)
+
+
+if args.two_optimizers:
+    model = TwoOptimizers()
+    keras_dist.compile(model, hidden_optimizer=optimizer(), out_optimizer=optimizer(), loss="mse", metrics=["mae"])
+else:
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+    keras_dist.compile(model, optimizer=optimizer(), loss="mse", metrics=["mae"])
 
 
 class KillAtEpochEnd(keras.callbacks.Callback):
