@@ -74,7 +74,12 @@ def _first(environ, names, default=None):
 
 
 class MPIEnvironment(ClusterEnvironment):
-    """`horovodrun` (Gloo or MPI) and `mpirun` (Open MPI, MPICH/Intel MPI through PMI)."""
+    """`horovodrun` (Gloo or MPI) and `mpirun` (Open MPI, MPICH/Intel MPI through PMI).
+
+    They name no rendezvous for torch.distributed or JAX; `MASTER_ADDR`/`MASTER_PORT`,
+    or `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the first), set in the job's environment,
+    give one.
+    """
 
     name = "mpi"
     RANK = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -90,7 +95,16 @@ class MPIEnvironment(ClusterEnvironment):
     def from_environ(cls, environ):
         rank = _first(environ, cls.RANK, 0)
         return cls(rank=rank, size=_first(environ, cls.SIZE, rank + 1),
-                   local_rank=_first(environ, cls.LOCAL_RANK, 0), local_size=_first(environ, cls.LOCAL_SIZE, 1))
+                   local_rank=_first(environ, cls.LOCAL_RANK, 0), local_size=_first(environ, cls.LOCAL_SIZE, 1),
+                   coordinator=_rendezvous(environ))
+
+
+def _rendezvous(environ):
+    """`host:port` from torchrun's or `keras.distribution`'s variables, where either is set."""
+    if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):
+        return f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+    addresses = [a for a in environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "").split(",") if a]
+    return addresses[0] if addresses else None
 
 
 class TFConfigEnvironment(ClusterEnvironment):

@@ -23,6 +23,11 @@ def tf_config(kind, index):
     ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
       "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, ("mpi", 1, 8, 1, 4, None)),
     ({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"}, ("mpi", 2, 3, 0, 1, None)),
+    # ... given a rendezvous for torch.distributed or JAX, which they do not name themselves
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"},
+     ("mpi", 1, 2, 0, 1, "node1:29500")),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "KERAS_DISTRIBUTION_JOB_ADDRESSES": "node1:1234,node2:1234"},
+     ("mpi", 0, 2, 0, 1, "node1:1234")),
     # TF_CONFIG: the chief, then the workers, train; a ps task is never the chief
     (tf_config("chief", 0), ("tf_config", 0, 3, 0, 2, "10.0.0.1:2222")),
     (tf_config("worker", 0), ("tf_config", 1, 3, 1, 2, "10.0.0.1:2222")),
@@ -39,7 +44,7 @@ def tf_config(kind, index):
     # keras.distribution.initialize's variables (JAX's coordinator)
     ({"KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.1:1234,10.0.0.2:1234", "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
       "KERAS_DISTRIBUTION_PROCESS_ID": "1"}, ("keras_distribution", 1, 2, 0, 1, "10.0.0.1:1234")),
-], ids=["none", "horovodrun", "openmpi", "mpich", "tf-chief", "tf-worker0", "tf-worker1", "tf-ps", "torchrun",
+], ids=["none", "horovodrun", "openmpi", "mpich", "mpirun-master-addr", "horovodrun-keras-addresses", "tf-chief", "tf-worker0", "tf-worker1", "tf-ps", "torchrun",
         "srun", "srun-port", "keras-distribution"])
 def test_each_launcher_is_detected_and_read(environ, expected):
     env = environments.detect(environ)

@@ -121,13 +121,16 @@ def test_resnet50_example_reads_imagenet_from_tfds_in_mixed_bfloat16(tmp_path):
     assert len(losses) == 2 and losses[0] == losses[1], out[-4000:]
 
 
-@pytest.mark.parametrize("backend, options, reporters", [
-    ("multi_worker_mirrored", [], ["worker:0", "worker:1"]),
-    ("parameter_server", ["--ps", 1], ["chief:0"]),  # workers and ps only serve
+@pytest.mark.parametrize("keras_backend, options, reporters", [
+    ("tensorflow", ["--backend", "multi_worker_mirrored"], ["worker:0", "worker:1"]),
+    ("tensorflow", ["--backend", "parameter_server", "--ps", 1], ["chief:0"]),  # workers and ps only serve
+    ("jax", [], ["rank:0", "rank:1"]),  # launch's default under KERAS_BACKEND=jax: the jax backend
+    ("torch", [], ["rank:0", "rank:1"]),
 ])
-def test_two_line_example_launches_under_the_tf_distribute_backends(tmp_path, backend, options, reporters):
-    code, out = run([BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, *options,
-                     EXAMPLES / "train_distributed.py"], timeout=400, env={"EPOCHS": "2", "OUTPUT": str(tmp_path)})
+def test_two_line_example_launches_under_keras_dist_launch(tmp_path, keras_backend, options, reporters):
+    pytest.importorskip(keras_backend)
+    code, out = run([BIN / "keras-dist", "launch", "-n", 2, *options, EXAMPLES / "train_distributed.py"], timeout=400,
+                    env={"EPOCHS": "2", "OUTPUT": str(tmp_path), "KERAS_BACKEND": keras_backend})
     assert code == 0, out[-4000:]
     accuracies = dict(re.findall(r"\[([a-z]+:\d)\] test accuracy: ([0-9.]+)", out))
     assert sorted(accuracies) == reporters, out[-3000:]

@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BIN, PYTHON, WORKERS, run
+from conftest import BIN, PYTHON, WORKERS, horovodrun, run
+from keras_dist.launchers.processes import free_loopback_ports
 
 pytestmark = pytest.mark.timeout(600)
 WORKER = WORKERS / "any_backend_worker.py"
@@ -91,6 +92,16 @@ def test_a_pydataset_is_split_by_batch(tmp_path, keras_backend):
         assert_same_training(result, reference)
 
 
+def test_compiling_again_after_freezing_a_layer(tmp_path, keras_backend):
+    reference = single(keras_backend, tmp_path / "single", "--batch", 16, "--adam", "--recompile")
+    code, out = launch(keras_backend, tmp_path / "distributed", "--batch", 8, "--adam", "--recompile")
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        result = load(tmp_path / "distributed", rank)
+        assert "recompiled_loss" in result["history"]
+        assert_same_training(result, reference)
+
+
 def test_a_killed_process_ends_the_job_and_the_rerun_resumes(tmp_path, keras_backend):
     reference = single(keras_backend, tmp_path / "single", "--batch", 16, "--epochs", 3)
     out_dir = tmp_path / "distributed"
@@ -129,6 +140,22 @@ def test_a_launcher_without_a_coordinator_is_a_one_line_error(keras_backend):
     env = {"KERAS_BACKEND": keras_backend, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
     code, out = run([PYTHON, "-c", "import keras_dist; keras_dist.init()"], timeout=120, env=env)
     assert code != 0 and "launcher names no coordinator for" in out, out[-2000:]
+
+
+def test_pytorch_under_horovodrun_given_a_rendezvous_address(tmp_path):
+    # horovodrun names no address for torch.distributed; MASTER_ADDR/MASTER_PORT give one.
+    pytest.importorskip("torch")
+    reference = single("torch", tmp_path / "single", "--batch", 16)
+    out_dir = tmp_path / "horovodrun"
+    os.makedirs(out_dir)
+    code, out = horovodrun(2, [WORKER, out_dir, "--batch", 8], timeout=300,
+                           env={"KERAS_BACKEND": "torch", "MASTER_ADDR": "127.0.0.1",
+                                "MASTER_PORT": str(free_loopback_ports(1)[0])})
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        result = load(out_dir, rank)
+        assert result["describe"]["backend"] == "torch" and result["imported_by_keras_dist"] == []
+        assert_same_training(result, reference)
 
 
 def test_torchrun_launches_the_same_training(tmp_path):

@@ -15,7 +15,6 @@ cluster environment names a coordinator (`srun`, Keras's `KERAS_DISTRIBUTION_*`)
 """
 
 import os
-import weakref
 
 import numpy as np
 
@@ -67,7 +66,9 @@ class TorchDistributedStrategy(Strategy):
         self._device = torch.device("cuda") if dist.is_initialized() and dist.get_backend() == "nccl" else \
             torch.device("cpu")
         self.in_train_step = False  # gradient hooks start collectives only inside train steps
-        self._overlapped = weakref.WeakKeyDictionary()  # optimizer -> its OverlappedGradients
+        # id(optimizer) -> its OverlappedGradients. Dropped at each compile, on every process
+        # alike: hooks left to the garbage collector would start collectives on some only.
+        self._overlapped = {}
 
     @property
     def rank(self) -> int:
@@ -83,6 +84,9 @@ class TorchDistributedStrategy(Strategy):
 
     # --- gradients --------------------------------------------------------------
     def prepare_model(self, model):
+        for overlapped in self._overlapped.values():
+            overlapped.remove()
+        self._overlapped.clear()
         if self.size > 1:
             # Marks the model's train steps (Keras's or the script's own), the only place a
             # backward pass may start collectives: a backward on one process alone (the
@@ -104,9 +108,6 @@ class TorchDistributedStrategy(Strategy):
         torch, dist = self._torch, self._dist
         if self.size == 1:
             return
-        stale = self._overlapped.pop(optimizer, None)  # compiled again: its hooks go
-        if stale is not None:
-            stale.remove()
         # Where the optimizer rescales or accumulates gradients first, the tensors it
         # reduces are never the ones backward produced: reduce them at the update only.
         overlaps = not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
@@ -114,13 +115,13 @@ class TorchDistributedStrategy(Strategy):
 
         def allreduce_gradients(grads):
             present = [g for g in grads if g is not None]
-            overlapped = self._overlapped.get(optimizer)
+            overlapped = self._overlapped.get(id(optimizer))
             if overlapped is not None:
                 reduced = iter(overlapped.reduce(present))
             else:
                 reduced = iter(self._allreduce_in_buckets(present, options))
                 if overlaps:  # built at the first update, when the optimizer knows its variables
-                    self._overlapped[optimizer] = OverlappedGradients(self, optimizer._trainable_variables, options)
+                    self._overlapped[id(optimizer)] = OverlappedGradients(self, optimizer._trainable_variables, options)
             return [None if g is None else next(reduced) for g in grads]
 
         def all_finite(is_finite):

@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--dataset | --pydataset] [--two-optimizers]
+       [--epochs E] [--callbacks] [--adam] [--dataset | --pydataset] [--two-optimizers] [--recompile]
        [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
@@ -26,6 +26,8 @@ parser.add_argument("--pydataset", action="store_true",
                     help="fit, validate, evaluate and predict on keras.utils.PyDataset batches")
 parser.add_argument("--two-optimizers", action="store_true",
                     help="PyTorch only: a custom train_step with two backward passes, each layer its own optimizer")
+parser.add_argument("--recompile", action="store_true",
+                    help="after fit, freeze the first layer, compile again with a new optimizer and fit on")
 parser.add_argument("--kill-rank", type=int, help="this rank kills itself at the end of --kill-epoch")
 parser.add_argument("--kill-epoch", type=int, default=0)
 args = parser.parse_args()
@@ -128,6 +130,11 @@ else:
     inputs = {"x": x, "y": y, "batch_size": args.batch}
 history = model.fit(**inputs, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks,
                     validation_data=validation)
+if args.recompile:  # the transfer-learning recipe
+    model.layers[0].trainable = False
+    keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.02), loss="mse", metrics=["mae"])
+    for key, values in model.fit(**inputs, epochs=1, shuffle=False, verbose=0).history.items():
+        history.history[f"recompiled_{key}"] = values
 evaluation = model.evaluate(**evaluation_inputs, verbose=0, return_dict=True)
 prediction = model.predict(**prediction_inputs, verbose=0)
 result = {
