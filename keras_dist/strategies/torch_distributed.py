@@ -14,6 +14,7 @@ Launch: `keras-dist launch --backend torch -n 2 train.py` (the default under
 cluster environment names a coordinator (`srun`, Keras's `KERAS_DISTRIBUTION_*`).
 """
 
+import atexit
 import os
 
 import numpy as np
@@ -62,6 +63,11 @@ class TorchDistributedStrategy(Strategy):
                 torch.cuda.set_device(self._local_rank % torch.cuda.device_count())
             dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{environment.coordinator}",
                                     rank=environment.rank, world_size=environment.size)
+            # A process group left to interpreter shutdown can abort the process after the
+            # script ended well ("terminate called without an active exception": gloo's
+            # threads outlive Python; pytorch/pytorch#190489). keras_dist created it, so
+            # keras_dist destroys it while Python is still whole.
+            atexit.register(_destroy_process_group, dist)
         # NCCL collectives take tensors on the GPU; gloo's host collectives take CPU tensors.
         self._device = torch.device("cuda") if dist.is_initialized() and dist.get_backend() == "nccl" else \
             torch.device("cpu")
@@ -204,6 +210,11 @@ class TorchDistributedStrategy(Strategy):
         # no overlap (loss scaling, gradient accumulation, or a step without backward).
         return {**super().describe(),
                 "buckets_started_in_backward": sum(o.started_in_backward for o in self._overlapped.values())}
+
+
+def _destroy_process_group(dist):
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def buckets(tensors):
