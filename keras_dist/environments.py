@@ -15,10 +15,17 @@ print(env.name, env.rank, env.size, env.is_chief, env.coordinator)
 """
 
 import re
+import socket
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import ClassVar
 
 from keras_dist.errors import KerasDistError
+
+# How long a process waits for the chief to publish the rendezvous address.
+RENDEZVOUS_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,14 @@ class ClusterEnvironment:
         """The process's place, read from `environ`; a one-line error names a bad value."""
         raise NotImplementedError
 
+    def rendezvous(self) -> str | None:
+        """`host:port` where the job's process group (JAX's, torch.distributed's) meets.
+
+        The launcher's `coordinator` by default. Called only by a strategy that starts a
+        process group, so reading an environment stays free of network traffic.
+        """
+        return self.coordinator
+
     def describe(self) -> dict:
         return {"cluster_environment": self.name, "rank": self.rank, "size": self.size,
                 "local_rank": self.local_rank, "local_size": self.local_size, "coordinator": self.coordinator}
@@ -73,13 +88,19 @@ def _first(environ, names, default=None):
     return default
 
 
+@dataclass(frozen=True)
 class MPIEnvironment(ClusterEnvironment):
     """`horovodrun` (Gloo or MPI) and `mpirun` (Open MPI, MPICH/Intel MPI through PMI).
 
-    They name no rendezvous for torch.distributed or JAX; `MASTER_ADDR`/`MASTER_PORT`,
+    They name no rendezvous for torch.distributed or JAX. `MASTER_ADDR`/`MASTER_PORT`,
     or `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the first), set in the job's environment,
-    give one.
+    give one; otherwise, under `horovodrun --gloo` (and `keras-dist launch --backend
+    horovod`), the chief picks a free port on its host and publishes it in Horovod's
+    own rendezvous store (`store`, `host:port`), where the others read it.
     """
+
+    store: str | None = None
+    hostname: str | None = None
 
     name = "mpi"
     RANK = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -94,9 +115,34 @@ class MPIEnvironment(ClusterEnvironment):
     @classmethod
     def from_environ(cls, environ):
         rank = _first(environ, cls.RANK, 0)
+        store = None
+        if environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") and environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT"):
+            store = f"{environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{environ['HOROVOD_GLOO_RENDEZVOUS_PORT']}"
         return cls(rank=rank, size=_first(environ, cls.SIZE, rank + 1),
                    local_rank=_first(environ, cls.LOCAL_RANK, 0), local_size=_first(environ, cls.LOCAL_SIZE, 1),
-                   coordinator=_rendezvous(environ))
+                   coordinator=_rendezvous(environ), store=store, hostname=environ.get("HOROVOD_HOSTNAME"))
+
+    def rendezvous(self):
+        if self.coordinator or not self.store or self.size == 1:
+            return self.coordinator
+        url = f"http://{self.store}/keras_dist/coordinator"
+        if self.is_chief:
+            host = self.hostname or socket.gethostname()
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1" if host in ("localhost", "127.0.0.1") else "", 0))
+                address = f"{host}:{probe.getsockname()[1]}"
+            urllib.request.urlopen(urllib.request.Request(url, data=address.encode(), method="PUT"), timeout=30)
+            return address
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                return urllib.request.urlopen(url, timeout=30).read().decode()
+            except urllib.error.HTTPError as exc:  # 404 until the chief has published it
+                if exc.code != 404:
+                    raise
+            time.sleep(0.1)
+        raise KerasDistError(f"rank 0 published no rendezvous address in Horovod's store ({self.store}) within "
+                             f"{RENDEZVOUS_TIMEOUT_S} s; check that rank 0 started, or set MASTER_ADDR and MASTER_PORT")
 
 
 def _rendezvous(environ):

@@ -9,9 +9,9 @@ share of the inputs (`auto_shard_dataset=False`), only the chief writes files, a
 weights (`process_local_steps`), so shards of unequal length need no padding and every
 example counts once.
 
-Launch: `keras-dist launch --backend jax -n 2 train.py`, or any launcher whose cluster
-environment names a coordinator (torchrun-style variables, Slurm's `srun`, or Keras's
-own `KERAS_DISTRIBUTION_*` variables), with `KERAS_BACKEND=jax`.
+Launch: `keras-dist launch --backend jax -n 2 train.py`, `horovodrun -np 2 python train.py`,
+or any launcher whose cluster environment names a coordinator (torchrun-style variables,
+Slurm's `srun`, or Keras's own `KERAS_DISTRIBUTION_*` variables), with `KERAS_BACKEND=jax`.
 """
 
 import contextlib
@@ -43,7 +43,8 @@ def _start_process_group(environ):
 
     environment = environments.detect(environ)
     if environment.size > 1:
-        if environment.coordinator is None:
+        coordinator = environment.rendezvous()
+        if coordinator is None:
             raise KerasDistError(
                 f"the {environment.name} launcher names no coordinator for JAX's process group; set "
                 "KERAS_DISTRIBUTION_JOB_ADDRESSES=host:port (the first process's address), or launch with "
@@ -51,10 +52,10 @@ def _start_process_group(environ):
             )
         # CPU processes need a collectives implementation; GPUs use NCCL whatever this says.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        host, port = environment.coordinator.rsplit(":", 1)
+        host, port = coordinator.rsplit(":", 1)
         local_only = host in ("127.0.0.1", "localhost")  # a local cluster listens on loopback only
         try:
-            jax.distributed.initialize(coordinator_address=environment.coordinator, num_processes=environment.size,
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
                                        process_id=environment.rank,
                                        coordinator_bind_address=f"127.0.0.1:{port}" if local_only else None)
         except RuntimeError as exc:

@@ -10,8 +10,9 @@ broadcast to all, as on Horovod. Gloo carries the collectives on CPUs, NCCL on G
 (each process then drives the GPU of its local rank).
 
 Launch: `keras-dist launch --backend torch -n 2 train.py` (the default under
-`KERAS_BACKEND=torch`), `torchrun --nproc-per-node 2 train.py`, or any launcher whose
-cluster environment names a coordinator (`srun`, Keras's `KERAS_DISTRIBUTION_*`).
+`KERAS_BACKEND=torch`), `torchrun --nproc-per-node 2 train.py`, `horovodrun -np 2 python
+train.py`, or any launcher whose cluster environment names a coordinator (`srun`, Keras's
+`KERAS_DISTRIBUTION_*`).
 """
 
 import atexit
@@ -55,13 +56,14 @@ class TorchDistributedStrategy(Strategy):
             # Processes sharing this machine would each size a thread pool for all of it.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // environment.local_size))
         if not dist.is_initialized() and environment.size > 1:
-            if environment.coordinator is None:
+            coordinator = environment.rendezvous()
+            if coordinator is None:
                 raise KerasDistError(f"the {environment.name} launcher names no coordinator for torch.distributed; "
                                      "set MASTER_ADDR and MASTER_PORT, or launch with `keras-dist launch --backend torch`")
             on_gpu = torch.cuda.is_available()
             if on_gpu:
                 torch.cuda.set_device(self._local_rank % torch.cuda.device_count())
-            dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{environment.coordinator}",
+            dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{coordinator}",
                                     rank=environment.rank, world_size=environment.size)
             # A process group left to interpreter shutdown can abort the process after the
             # script ended well ("terminate called without an active exception": gloo's
