@@ -8,6 +8,12 @@
 # Those XLA ops are optional (HOROVOD_ENABLE_XLA_OPS, off by default) and GPU-only, so we
 # compile that file's body only for GPU builds on TF < 2.19. Everything else is stock.
 #
+# Where PyTorch is installed too, Horovod's torch operations are built as well (the `torch`
+# backend uses them under horovodrun); two fixes make 0.28.1 build against torch >= 2.1:
+# its torch extension asks for C++14 where torch's (and TensorFlow's) headers need C++17,
+# and under C++17 Gloo's `Store::kDefaultTimeout` is defined in two objects with the same
+# value, which the linker is told to accept.
+#
 # Env: PYTHON (default: python), HOROVOD_VERSION (default 0.28.1).
 # GPU: when nvcc and NCCL are found, the build uses NCCL for all-reduce (HOROVOD_GPU_OPERATIONS=NCCL).
 set -euo pipefail
@@ -26,7 +32,9 @@ if command -v nvcc >/dev/null && "$PYTHON" -c 'import tensorflow as tf, sys; sys
   gpu=cuda
 fi
 
-cache="${KERAS_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/keras_dist}/wheels/horovod-$version-tf$tf_version-$gpu"
+torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null) || torch_version=""
+
+cache="${KERAS_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/keras_dist}/wheels/horovod-$version-tf$tf_version${torch_version:+-torch$torch_version}-$gpu"
 if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
@@ -38,11 +46,19 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
     "$src/horovod/tensorflow/xla_mpi_ops.cc"
   grep -q 'TENSORFLOW_VERSION < 2019000000 && HAVE_GPU' "$src/horovod/tensorflow/xla_mpi_ops.cc" \
     || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
-  export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+  export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1
+  if [ -n "$torch_version" ]; then
+    export HOROVOD_WITH_PYTORCH=1 LDFLAGS="${LDFLAGS:-} -Wl,--allow-multiple-definition"
+    sed -i 's/^    set(CMAKE_CXX_STANDARD 14)$/    set(CMAKE_CXX_STANDARD 17)/' "$src/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
+      || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
+  else
+    export HOROVOD_WITHOUT_PYTORCH=1
+  fi
   command -v mpicxx >/dev/null || export HOROVOD_WITHOUT_MPI=1
   [ "$gpu" = cuda ] && export HOROVOD_GPU_OPERATIONS=NCCL
   export MAKEFLAGS="-j$(nproc)"
-  echo "building Horovod $version against TensorFlow $tf_version ($gpu); this takes a few minutes once" >&2
+  echo "building Horovod $version against TensorFlow $tf_version${torch_version:+ and PyTorch $torch_version} ($gpu); this takes a few minutes once" >&2
   "$PYTHON" -m pip install -q packaging cloudpickle psutil pyyaml >/dev/null
   "$PYTHON" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" "$src" >"$work/build.log" 2>&1 \
     || { tail -n 40 "$work/build.log" >&2; echo "error: Horovod build failed (log above)" >&2; exit 1; }
@@ -51,4 +67,5 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
 fi
 "$PYTHON" -m pip install -q --no-deps --force-reinstall "$cache"/horovod-*.whl
 "$PYTHON" -m pip install -q cloudpickle psutil pyyaml packaging >/dev/null
-TF_CPP_MIN_LOG_LEVEL=2 "$PYTHON" -c 'import horovod.tensorflow as hvd' || { echo "error: the Horovod wheel does not import; delete $cache and rerun" >&2; exit 1; }
+TF_CPP_MIN_LOG_LEVEL=2 "$PYTHON" -c "import horovod.tensorflow${torch_version:+, horovod.torch}" \
+  || { echo "error: the Horovod wheel does not import; delete $cache and rerun" >&2; exit 1; }

@@ -1,4 +1,5 @@
-"""Keras 3 on PyTorch: one process per replica, collectives through `torch.distributed`.
+"""Keras 3 on PyTorch: one process per replica, collectives through `torch.distributed`
+or, under `horovodrun` where Horovod was built for PyTorch, through Horovod's torch operations.
 
 Each process runs Keras's own torch steps on its interleaved share of the inputs. The
 gradients are all-reduced once per applied update, in flat buckets, before clipping and
@@ -6,8 +7,9 @@ the update rule (`keras_dist.optimizer_hooks`); as in DDP, each bucket's all-red
 during the backward pass, as soon as its gradients are ready (`OverlappedGradients`).
 Metric states are summed across processes at each epoch's end (and in
 every step where a callback reads batch logs), and the chief's initial state is
-broadcast to all, as on Horovod. Gloo carries the collectives on CPUs, NCCL on GPUs
-(each process then drives the GPU of its local rank).
+broadcast to all, as on Horovod. torch.distributed uses gloo on CPUs and NCCL on GPUs
+(each process then drives the GPU of its local rank); both collective fronts are thin
+classes at the end of this module, and everything above them is shared.
 
 Launch: `keras-dist launch --backend torch -n 2 train.py` (the default under
 `KERAS_BACKEND=torch`), `torchrun --nproc-per-node 2 train.py`, `horovodrun -np 2 python
@@ -30,7 +32,7 @@ BUCKET_BYTES = 25 * 2**20
 
 
 class TorchDistributedStrategy(Strategy):
-    """Data parallelism on Keras's PyTorch backend with `torch.distributed`."""
+    """Data parallelism on Keras's PyTorch backend, one process per replica."""
 
     name = "torch"
     launcher = "torchrun"
@@ -47,32 +49,16 @@ class TorchDistributedStrategy(Strategy):
             raise KerasDistError(f"backend 'torch' needs Keras on PyTorch, but Keras runs on "
                                  f"{keras.backend.backend()!r}; set KERAS_BACKEND=torch before Python starts")
         import torch
-        import torch.distributed as dist
 
-        self._torch, self._dist = torch, dist
+        self._torch = torch
         environment = environments.detect(os.environ)
         self._local_rank = environment.local_rank
         if environment.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             # Processes sharing this machine would each size a thread pool for all of it.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // environment.local_size))
-        if not dist.is_initialized() and environment.size > 1:
-            coordinator = environment.rendezvous()
-            if coordinator is None:
-                raise KerasDistError(f"the {environment.name} launcher names no coordinator for torch.distributed; "
-                                     "set MASTER_ADDR and MASTER_PORT, or launch with `keras-dist launch --backend torch`")
-            on_gpu = torch.cuda.is_available()
-            if on_gpu:
-                torch.cuda.set_device(self._local_rank % torch.cuda.device_count())
-            dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{coordinator}",
-                                    rank=environment.rank, world_size=environment.size)
-            # A process group left to interpreter shutdown can abort the process after the
-            # script ended well ("terminate called without an active exception": gloo's
-            # threads outlive Python; pytorch/pytorch#190489). keras_dist created it, so
-            # keras_dist destroys it while Python is still whole.
-            atexit.register(_destroy_process_group, dist)
-        # NCCL collectives take tensors on the GPU; gloo's host collectives take CPU tensors.
-        self._device = torch.device("cuda") if dist.is_initialized() and dist.get_backend() == "nccl" else \
-            torch.device("cpu")
+        if torch.cuda.is_available() and environment.size > 1:
+            torch.cuda.set_device(self._local_rank % torch.cuda.device_count())
+        self._collectives = _collectives(torch, environment)
         self.in_train_step = False  # gradient hooks start collectives only inside train steps
         # id(optimizer) -> its OverlappedGradients. Dropped at each compile, on every process
         # alike: hooks left to the garbage collector would start collectives on some only.
@@ -80,11 +66,11 @@ class TorchDistributedStrategy(Strategy):
 
     @property
     def rank(self) -> int:
-        return self._dist.get_rank() if self._dist.is_initialized() else 0
+        return self._collectives.rank
 
     @property
     def size(self) -> int:
-        return self._dist.get_world_size() if self._dist.is_initialized() else 1
+        return self._collectives.size
 
     @property
     def local_rank(self) -> int:
@@ -113,7 +99,7 @@ class TorchDistributedStrategy(Strategy):
 
         from keras_dist import optimizer_hooks
 
-        torch, dist = self._torch, self._dist
+        torch = self._torch
         if self.size == 1:
             return
         # Where the optimizer rescales or accumulates gradients first, the tensors it
@@ -133,9 +119,8 @@ class TorchDistributedStrategy(Strategy):
             return [None if g is None else next(reduced) for g in grads]
 
         def all_finite(is_finite):
-            flag = torch.as_tensor(is_finite, dtype=torch.int32, device=self._device).reshape(1)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            return flag[0].to(torch.bool)
+            flag = torch.as_tensor(is_finite, dtype=torch.int32, device=self._collectives.device).reshape(1)
+            return self._collectives.min(flag)[0].to(torch.bool)
 
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
 
@@ -152,15 +137,13 @@ class TorchDistributedStrategy(Strategy):
 
         flat = _flatten_dense_tensors(tensors)
         wire = flat.to(self._torch.float16) if options.compression == "fp16" else flat
-        return self._dist.all_reduce(wire, async_op=True), wire
+        return self._collectives.start_sum(wire), wire
 
     def _finish_allreduce(self, started, tensors, options):
         """Waits for `_start_allreduce`; the summed (or averaged) tensors, shaped as `tensors`."""
         from torch._utils import _unflatten_dense_tensors
 
-        work, wire = started
-        work.wait()
-        flat = wire.to(tensors[0].dtype)
+        flat = self._collectives.wait(*started).to(tensors[0].dtype)
         if options.reduction == "mean":
             flat /= self.size
         return list(_unflatten_dense_tensors(flat, tensors))
@@ -171,26 +154,18 @@ class TorchDistributedStrategy(Strategy):
 
     # --- host-side collectives ----------------------------------------------------
     def allgather_object(self, obj) -> list:
-        if self.size == 1:
-            return [obj]
-        gathered = [None] * self.size
-        self._dist.all_gather_object(gathered, obj)
-        return gathered
+        return self._collectives.allgather_object(obj) if self.size > 1 else [obj]
 
     def broadcast_object(self, obj, root: int = 0):
-        if self.size == 1:
-            return obj
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=root)
-        return box[0]
+        return self._collectives.broadcast_object(obj, root) if self.size > 1 else obj
 
     def broadcast_variables(self, variables, root: int = 0) -> None:
         if self.size == 1:
             return
         for variable in variables:
             value = variable.value
-            wire = value.detach().to(self._device)
-            self._dist.broadcast(wire, src=root)
+            wire = value.detach().to(self._collectives.device)
+            self._collectives.broadcast_(wire, root)
             with self._torch.no_grad():
                 value.copy_(wire.to(value.device))
 
@@ -199,19 +174,136 @@ class TorchDistributedStrategy(Strategy):
         if not arrays or self.size == 1:
             return arrays
         torch = self._torch
-        summed = self._allreduce_in_buckets([torch.from_numpy(np.array(a, np.float64)).to(self._device)
+        summed = self._allreduce_in_buckets([torch.from_numpy(np.array(a, np.float64)).to(self._collectives.device)
                                              for a in arrays], GradientOptions(reduction="sum"))
         return [s.cpu().numpy().reshape(a.shape).astype(a.dtype) for s, a in zip(summed, arrays)]
 
     def barrier(self) -> None:
         if self.size > 1:
-            self._dist.barrier()
+            self._collectives.barrier()
 
     def describe(self) -> dict:
         # How many gradient buckets began their all-reduce during a backward pass: 0 means
         # no overlap (loss scaling, gradient accumulation, or a step without backward).
-        return {**super().describe(),
+        return {**super().describe(), "collectives": self._collectives.name,
                 "buckets_started_in_backward": sum(o.started_in_backward for o in self._overlapped.values())}
+
+
+def _collectives(torch, environment):
+    """Horovod's torch operations under horovodrun where Horovod was built for PyTorch, else torch.distributed."""
+    if "HOROVOD_RANK" in os.environ:  # horovodrun, or `keras-dist launch --backend horovod`
+        try:
+            import horovod.torch as hvd
+        except Exception:  # not installed, or built without PyTorch (Horovod raises its own errors)
+            pass
+        else:
+            return HorovodTorchCollectives(torch, hvd)
+    return TorchDistributedCollectives(torch, environment)
+
+
+class TorchDistributedCollectives:
+    """`torch.distributed`: gloo on CPUs (CPU tensors), NCCL on GPUs (the local rank's GPU).
+
+    Starts the default process group where the launcher started several processes and
+    the script has not started one itself.
+    """
+
+    name = "torch.distributed"
+
+    def __init__(self, torch, environment):
+        import torch.distributed as dist
+
+        self._dist = dist
+        if not dist.is_initialized() and environment.size > 1:
+            coordinator = environment.rendezvous()
+            if coordinator is None:
+                raise KerasDistError(f"the {environment.name} launcher names no coordinator for torch.distributed; "
+                                     "set MASTER_ADDR and MASTER_PORT, or launch with `keras-dist launch --backend torch`")
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"tcp://{coordinator}",
+                                    rank=environment.rank, world_size=environment.size)
+            # A process group left to interpreter shutdown can abort the process after the
+            # script ended well ("terminate called without an active exception": gloo's
+            # threads outlive Python; pytorch/pytorch#190489). keras_dist created it, so
+            # keras_dist destroys it while Python is still whole.
+            atexit.register(_destroy_process_group, dist)
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        self.device = torch.device("cuda" if nccl else "cpu")
+
+    @property
+    def rank(self):
+        return self._dist.get_rank() if self._dist.is_initialized() else 0
+
+    @property
+    def size(self):
+        return self._dist.get_world_size() if self._dist.is_initialized() else 1
+
+    def start_sum(self, tensor):
+        """Starts summing `tensor` in place over processes; a handle for `wait`."""
+        return self._dist.all_reduce(tensor, async_op=True)
+
+    def wait(self, handle, tensor):
+        handle.wait()
+        return tensor
+
+    def min(self, tensor):
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN)
+        return tensor
+
+    def allgather_object(self, obj):
+        gathered = [None] * self.size
+        self._dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj, root):
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=root)
+        return box[0]
+
+    def broadcast_(self, tensor, root):
+        self._dist.broadcast(tensor, src=root)
+
+    def barrier(self):
+        self._dist.barrier()
+
+
+class HorovodTorchCollectives:
+    """Horovod's torch operations (`horovod.torch`): Gloo, MPI or NCCL, as Horovod was built."""
+
+    name = "horovod"
+
+    def __init__(self, torch, hvd):
+        self._hvd = hvd
+        hvd.init()
+        self.device = torch.device("cuda" if torch.cuda.is_available() and hvd.nccl_built() else "cpu")
+
+    @property
+    def rank(self):
+        return self._hvd.rank()
+
+    @property
+    def size(self):
+        return self._hvd.size()
+
+    def start_sum(self, tensor):
+        return self._hvd.allreduce_async_(tensor, op=self._hvd.Sum)
+
+    def wait(self, handle, tensor):
+        return self._hvd.synchronize(handle)
+
+    def min(self, tensor):
+        return self._hvd.allreduce(tensor, op=self._hvd.Min)
+
+    def allgather_object(self, obj):
+        return self._hvd.allgather_object(obj)
+
+    def broadcast_object(self, obj, root):
+        return self._hvd.broadcast_object(obj, root_rank=root)
+
+    def broadcast_(self, tensor, root):
+        self._hvd.broadcast_(tensor, root_rank=root)
+
+    def barrier(self):
+        self._hvd.barrier()
 
 
 def _destroy_process_group(dist):
@@ -287,8 +379,8 @@ class OverlappedGradients:
         self.started.append((started, [(g, None if g is None else g._version) for g in grads]))
 
     def _wait_all(self):
-        for (work, _), _ in self.started:
-            work.wait()
+        for started, _ in self.started:
+            self.strategy._collectives.wait(*started)
 
     def reduce(self, grads):
         """`grads` (this step's) each summed or averaged over processes."""
