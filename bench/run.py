@@ -65,6 +65,8 @@ jax_mlp and torch_mlp run, 1 thread per process:
   keras_dist_2        the two-line change, 2 processes (keras_dist's jax or torch launcher)
   handwritten_2       that framework's own loop, 2 processes: a jitted JAX step over a mesh
                       of both processes' devices, or a torch.nn model under DDP
+  keras_dist_hvd_2    torch_mlp only: the two-line change under horovodrun -np 2 (Horovod's
+                      torch operations instead of torch.distributed)
 input_only runs, 1 thread per process:
   plain_1             one process iterates the whole pipeline
   keras_dist_2        under horovodrun -np 2, each rank iterates
@@ -223,6 +225,8 @@ CONFIGS = {
         Config("handwritten_2", "handwritten", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
     ] for backend in ("jax", "torch")},
 }
+CONFIGS["torch"].append(Config("keras_dist_hvd_2", "keras_dist", 2, "horovod", env={"KERAS_BACKEND": "torch"},
+                               worker="backend_worker.py"))
 SPS, CPU, EPOCH_CPU = "samples_per_s", "cpu_s_per_sample", "cpu_s_per_epoch_worker"
 # model kind -> ratios: (name, numerator, denominator, figure, target from issue 10 or None)
 RATIOS = {
@@ -258,6 +262,10 @@ RATIOS = {
         ("handwritten_2_vs_plain_1", "handwritten_2", "plain_1", SPS, None),
     ] for backend in ("jax", "torch")},
 }
+RATIOS["torch"] += [
+    ("keras_dist_hvd_2_vs_handwritten_2", "keras_dist_hvd_2", "handwritten_2", SPS, None),
+    ("cpu_keras_dist_hvd_2_vs_handwritten_2", "keras_dist_hvd_2", "handwritten_2", CPU, None),
+]
 
 
 def median(values):

@@ -1,22 +1,30 @@
 """torchrun's variables on one host, without torchrun: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`..."""
 
+import os
 import sys
 
 from keras_dist.launchers.base import Launcher, Task
 from keras_dist.launchers.processes import free_loopback_ports
+from keras_dist.tf_cluster import loopback_binding_env
 
 
 class TorchrunLauncher(Launcher):
-    """One task per rank; rank 0 serves the rendezvous on a free loopback port."""
+    """One task per rank; rank 0 serves the rendezvous on a free loopback port.
+
+    torch.distributed's TCP store listens on every interface whatever address it is
+    given, and accepts any client; the loopback preload keeps it, and every other
+    listener of the job, on 127.0.0.1.
+    """
 
     name = "torchrun"
 
     def _tasks(self, num_workers, num_ps, argv):
         port = free_loopback_ports(1)[0]
+        loopback = loopback_binding_env(os.environ, "127.0.0.1")
         return [
             Task(f"rank:{i}", [sys.executable, *argv],
                  env={"RANK": str(i), "WORLD_SIZE": str(num_workers), "LOCAL_RANK": str(i),
                       "LOCAL_WORLD_SIZE": str(num_workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                      "PYTHONUNBUFFERED": "1"})
+                      "PYTHONUNBUFFERED": "1", **loopback})
             for i in range(num_workers)
         ]
