@@ -7,7 +7,8 @@ MODE:
   keras_dist   the two-line change, on the backend the launcher implies (jax or torch)
   handwritten  that framework's own data-parallel loop, no Keras: for JAX a jitted step
                whose batch is sharded over every process's devices (XLA all-reduces the
-               gradients); for PyTorch a `torch.nn` model under DistributedDataParallel
+               gradients); for PyTorch a `torch.nn` model under DistributedDataParallel,
+               or under horovodrun Horovod's DistributedOptimizer
 
 The model is the bench's MLP (784-1024-1024-10, SGD, batch 128 per replica, 60 batches
 per process and epoch, NumPy input, unshuffled). `BENCH_THREADS` sets the intra-op
@@ -118,17 +119,33 @@ def jax_handwritten(windows_for):
 
 
 def torch_handwritten(windows_for):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+    """DDP over gloo under keras_dist's torchrun launcher; under horovodrun, Horovod's own
+    `DistributedOptimizer` (the reference for keras_dist's torch backend on Horovod)."""
+    on_horovod = "HOROVOD_RANK" in os.environ
+    if on_horovod:
+        import horovod.torch as hvd
 
-    dist.init_process_group("gloo")  # torchrun's variables, set by keras_dist's launcher
-    rank, size = dist.get_rank(), dist.get_world_size()
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # torchrun's variables, set by keras_dist's launcher
+        rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     layers = []
     for i, (fan_in, fan_out) in enumerate(zip(UNITS[:-1], UNITS[1:])):
         layers += [torch.nn.Linear(fan_in, fan_out)] + ([torch.nn.ReLU()] if i < len(UNITS) - 2 else [])
-    model = DistributedDataParallel(torch.nn.Sequential(*layers))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = torch.nn.Sequential(*layers)
+    if on_horovod:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                             named_parameters=model.named_parameters())
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
     x, y = arrays(STEPS * BATCH * size)
     x, y = torch.from_numpy(x[rank::size]), torch.from_numpy(y[rank::size]).long()

@@ -67,6 +67,8 @@ jax_mlp and torch_mlp run, 1 thread per process:
                       of both processes' devices, or a torch.nn model under DDP
   keras_dist_hvd_2    torch_mlp only: the two-line change under horovodrun -np 2 (Horovod's
                       torch operations instead of torch.distributed)
+  handwritten_hvd_2   torch_mlp only: the torch.nn model with Horovod's DistributedOptimizer
+                      under horovodrun -np 2, the reference for keras_dist_hvd_2
 input_only runs, 1 thread per process:
   plain_1             one process iterates the whole pipeline
   keras_dist_2        under horovodrun -np 2, each rank iterates
@@ -225,8 +227,8 @@ CONFIGS = {
         Config("handwritten_2", "handwritten", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
     ] for backend in ("jax", "torch")},
 }
-CONFIGS["torch"].append(Config("keras_dist_hvd_2", "keras_dist", 2, "horovod", env={"KERAS_BACKEND": "torch"},
-                               worker="backend_worker.py"))
+CONFIGS["torch"] += [Config(name, mode, 2, "horovod", env={"KERAS_BACKEND": "torch"}, worker="backend_worker.py")
+                     for name, mode in (("keras_dist_hvd_2", "keras_dist"), ("handwritten_hvd_2", "handwritten"))]
 SPS, CPU, EPOCH_CPU = "samples_per_s", "cpu_s_per_sample", "cpu_s_per_epoch_worker"
 # model kind -> ratios: (name, numerator, denominator, figure, target from issue 10 or None)
 RATIOS = {
@@ -263,8 +265,9 @@ RATIOS = {
     ] for backend in ("jax", "torch")},
 }
 RATIOS["torch"] += [
-    ("keras_dist_hvd_2_vs_handwritten_2", "keras_dist_hvd_2", "handwritten_2", SPS, None),
-    ("cpu_keras_dist_hvd_2_vs_handwritten_2", "keras_dist_hvd_2", "handwritten_2", CPU, None),
+    ("keras_dist_hvd_2_vs_handwritten_hvd_2", "keras_dist_hvd_2", "handwritten_hvd_2", SPS, None),
+    ("cpu_keras_dist_hvd_2_vs_handwritten_hvd_2", "keras_dist_hvd_2", "handwritten_hvd_2", CPU, None),
+    ("keras_dist_hvd_2_vs_keras_dist_2", "keras_dist_hvd_2", "keras_dist_2", SPS, None),
 ]
 
 
