@@ -174,12 +174,19 @@ def test_torchrun_launches_the_same_training(tmp_path):
         assert_same_training(result, reference)
 
 
-def test_pytorch_two_backward_passes_per_step_with_an_optimizer_each(tmp_path):
+@pytest.mark.parametrize("launcher", ["keras-dist", "horovodrun"])
+def test_pytorch_two_backward_passes_per_step_with_an_optimizer_each(tmp_path, launcher):
     # A GAN-shaped custom train_step: each backward yields gradients for both layers, and
     # one optimizer updates one layer after it. Gradient hooks start buckets for both.
+    # Under horovodrun (Horovod's torch operations) their collectives' names must not clash.
     pytest.importorskip("torch")
     reference = single("torch", tmp_path / "single", "--batch", 16, "--adam", "--two-optimizers")
-    code, out = launch("torch", tmp_path / "distributed", "--batch", 8, "--adam", "--two-optimizers")
+    args = ["--batch", 8, "--adam", "--two-optimizers"]
+    if launcher == "horovodrun":
+        os.makedirs(tmp_path / "distributed")
+        code, out = horovodrun(2, [WORKER, tmp_path / "distributed", *args], timeout=300, env={"KERAS_BACKEND": "torch"})
+    else:
+        code, out = launch("torch", tmp_path / "distributed", *args)
     assert code == 0, out[-4000:]
     for rank in range(2):
         result = load(tmp_path / "distributed", rank)

@@ -18,6 +18,7 @@ train.py`, or any launcher whose cluster environment names a coordinator (`srun`
 """
 
 import atexit
+import itertools
 import os
 
 import numpy as np
@@ -63,6 +64,9 @@ class TorchDistributedStrategy(Strategy):
         # id(optimizer) -> its OverlappedGradients. Dropped at each compile, on every process
         # alike: hooks left to the garbage collector would start collectives on some only.
         self._overlapped = {}
+        # Numbers optimizers in the order they are distributed, the same on every process:
+        # their collectives' names (Horovod matches and caches operations by name).
+        self._optimizer_numbers = itertools.count()
 
     @property
     def rank(self) -> int:
@@ -106,6 +110,7 @@ class TorchDistributedStrategy(Strategy):
         # reduces are never the ones backward produced: reduce them at the update only.
         overlaps = not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
             not optimizer.gradient_accumulation_steps and optimizer.loss_scale_factor is None
+        name = f"optimizer{next(self._optimizer_numbers)}"
 
         def allreduce_gradients(grads):
             present = [g for g in grads if g is not None]
@@ -113,9 +118,10 @@ class TorchDistributedStrategy(Strategy):
             if overlapped is not None:
                 reduced = iter(overlapped.reduce(present))
             else:
-                reduced = iter(self._allreduce_in_buckets(present, options))
+                reduced = iter(self._allreduce_in_buckets(present, options, f"{name}.gradients"))
                 if overlaps:  # built at the first update, when the optimizer knows its variables
-                    self._overlapped[id(optimizer)] = OverlappedGradients(self, optimizer._trainable_variables, options)
+                    self._overlapped[id(optimizer)] = OverlappedGradients(self, optimizer._trainable_variables, options,
+                                                                          f"{name}.overlapped")
             return [None if g is None else next(reduced) for g in grads]
 
         def all_finite(is_finite):
@@ -124,20 +130,24 @@ class TorchDistributedStrategy(Strategy):
 
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
 
-    def _allreduce_in_buckets(self, tensors, options):
-        """Each tensor summed (or averaged) over processes, through a few flat collectives."""
+    def _allreduce_in_buckets(self, tensors, options, name):
+        """Each tensor summed (or averaged) over processes, through a few flat collectives
+        named `name.0`, `name.1`..."""
         out = []
-        for bucket in buckets(tensors):
-            out += self._finish_allreduce(self._start_allreduce(bucket, options), bucket, options)
+        for k, bucket in enumerate(buckets(tensors)):
+            out += self._finish_allreduce(self._start_allreduce(bucket, options, f"{name}.{k}"), bucket, options)
         return out
 
-    def _start_allreduce(self, tensors, options):
-        """Starts summing `tensors` (one dtype) over processes as one flat tensor; `(work, flat)`."""
+    def _start_allreduce(self, tensors, options, name):
+        """Starts summing `tensors` (one dtype) over processes as one flat tensor; `(work, flat)`.
+
+        `name` is the same on every process and at every step for the same bucket.
+        """
         from torch._utils import _flatten_dense_tensors
 
         flat = _flatten_dense_tensors(tensors)
         wire = flat.to(self._torch.float16) if options.compression == "fp16" else flat
-        return self._collectives.start_sum(wire), wire
+        return self._collectives.start_sum(wire, name), wire
 
     def _finish_allreduce(self, started, tensors, options):
         """Waits for `_start_allreduce`; the summed (or averaged) tensors, shaped as `tensors`."""
@@ -150,7 +160,9 @@ class TorchDistributedStrategy(Strategy):
 
     def sum_across_processes_in_step(self, tensors):
         tensors = [self._torch.as_tensor(t) for t in tensors]
-        return self._allreduce_in_buckets(tensors, GradientOptions(reduction="sum")) if self.size > 1 else tensors
+        if self.size == 1:
+            return tensors
+        return self._allreduce_in_buckets(tensors, GradientOptions(reduction="sum"), "metric_states_in_step")
 
     # --- host-side collectives ----------------------------------------------------
     def allgather_object(self, obj) -> list:
@@ -175,7 +187,7 @@ class TorchDistributedStrategy(Strategy):
             return arrays
         torch = self._torch
         summed = self._allreduce_in_buckets([torch.from_numpy(np.array(a, np.float64)).to(self._collectives.device)
-                                             for a in arrays], GradientOptions(reduction="sum"))
+                                             for a in arrays], GradientOptions(reduction="sum"), "sum_arrays")
         return [s.cpu().numpy().reshape(a.shape).astype(a.dtype) for s, a in zip(summed, arrays)]
 
     def barrier(self) -> None:
@@ -237,8 +249,9 @@ class TorchDistributedCollectives:
     def size(self):
         return self._dist.get_world_size() if self._dist.is_initialized() else 1
 
-    def start_sum(self, tensor):
-        """Starts summing `tensor` in place over processes; a handle for `wait`."""
+    def start_sum(self, tensor, name):
+        """Starts summing `tensor` in place over processes; a handle for `wait`. `name`
+        (used by Horovod) is ignored: torch.distributed matches collectives by order."""
         return self._dist.all_reduce(tensor, async_op=True)
 
     def wait(self, handle, tensor):
@@ -284,8 +297,10 @@ class HorovodTorchCollectives:
     def size(self):
         return self._hvd.size()
 
-    def start_sum(self, tensor):
-        return self._hvd.allreduce_async_(tensor, op=self._hvd.Sum)
+    def start_sum(self, tensor, name):
+        # A name stable across steps lets Horovod's response cache skip the coordinator's
+        # negotiation; an unnamed operation gets a new name, and a full negotiation, each time.
+        return self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Sum)
 
     def wait(self, handle, tensor):
         return self._hvd.synchronize(handle)
@@ -340,10 +355,11 @@ class OverlappedGradients:
         strategy: the `TorchDistributedStrategy`.
         variables: the Keras variables the optimizer updates.
         options: the `GradientOptions`.
+        name: the prefix of its collectives' names, the same on every process.
     """
 
-    def __init__(self, strategy, variables, options):
-        self.strategy, self.options = strategy, options
+    def __init__(self, strategy, variables, options, name):
+        self.strategy, self.options, self.name = strategy, options, name
         self.params = [v.value for v in variables][::-1]
         self.buckets = []  # lists of indices into params
         for run in buckets(self.params):
@@ -375,7 +391,7 @@ class OverlappedGradients:
         torch = self.strategy._torch
         grads = [self.params[i].grad for i in self.buckets[k]]
         tensors = [torch.zeros_like(self.params[i]) if g is None else g for i, g in zip(self.buckets[k], grads)]
-        started = self.strategy._start_allreduce(tensors, self.options)
+        started = self.strategy._start_allreduce(tensors, self.options, f"{self.name}.{k}")
         self.started.append((started, [(g, None if g is None else g._version) for g in grads]))
 
     def _wait_all(self):
@@ -400,7 +416,7 @@ class OverlappedGradients:
             else:
                 out.append(None)
                 late.append(grad)
-        late = iter(self.strategy._allreduce_in_buckets(late, self.options))
+        late = iter(self.strategy._allreduce_in_buckets(late, self.options, f"{self.name}.late"))
         return [next(late) if value is None else value for value in out]
 
     def remove(self):
