@@ -46,6 +46,9 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
     "$src/horovod/tensorflow/xla_mpi_ops.cc"
   grep -q 'TENSORFLOW_VERSION < 2019000000 && HAVE_GPU' "$src/horovod/tensorflow/xla_mpi_ops.cc" \
     || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
+  # A release build without debug info: same -O3 code, about a fifth less build time.
+  sed -i "s/else 'RelWithDebInfo'$/else 'Release'/" "$src/setup.py"
+  grep -q "else 'Release'$" "$src/setup.py" || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
   export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1
   if [ -n "$torch_version" ]; then
     export HOROVOD_WITH_PYTORCH=1 LDFLAGS="${LDFLAGS:-} -Wl,--allow-multiple-definition"
