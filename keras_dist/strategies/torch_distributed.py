@@ -139,7 +139,7 @@ class TorchDistributedStrategy(Strategy):
         return out
 
     def _start_allreduce(self, tensors, options, name):
-        """Starts summing `tensors` (one dtype) over processes as one flat tensor; `(work, flat)`.
+        """Starts summing `tensors` (one dtype) over processes as one flat tensor; `(handle, flat)`.
 
         `name` is the same on every process and at every step for the same bucket.
         """
@@ -255,6 +255,7 @@ class TorchDistributedCollectives:
         return self._dist.all_reduce(tensor, async_op=True)
 
     def wait(self, handle, tensor):
+        """Waits for `start_sum`; the summed tensor."""
         handle.wait()
         return tensor
 
