@@ -22,6 +22,12 @@ def is_tf_dataset(data):
     return tf is not None and isinstance(data, tf.data.Dataset)
 
 
+def is_data_loader(data):
+    """Whether `data` is a `torch.utils.data.DataLoader` (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(data, torch.utils.data.DataLoader)
+
+
 def is_array_input(data):
     leaves = tree.flatten(data)
     return bool(leaves) and all(hasattr(a, "__array__") for a in leaves)  # NumPy, tf.Tensor, jax.Array...

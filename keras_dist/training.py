@@ -20,7 +20,6 @@ import numpy as np
 from keras import tree
 
 from keras_dist import optimizer_hooks, runtime, sharding
-from keras_dist.strategies.base import Strategy
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck
@@ -73,6 +72,10 @@ class DistributedTraining:
                                                       contiguous=purpose == "predict",
                                                       equal_steps=pad or plan.collective_steps)
             return  # collective steps already end together (`equal_steps`)
+        elif sharding.is_data_loader(x):
+            if plan.num_shards > 1 or plan.batch_multiplier > 1:
+                args["x"] = self._split_data_loader(x, plan, pad)
+            return
         elif x is not None and sharding.is_array_input(x):
             arrays = {k: args[k] for k in _INPUT_NAMES if k in args}
             args.update(sharding.shard_arrays(arrays, plan.num_shards, plan.shard_index, pad))
@@ -81,7 +84,7 @@ class DistributedTraining:
         elif plan.num_shards > 1:
             raise KerasDistError(
                 f"keras_dist cannot split a {type(x).__name__} across {plan.num_shards} processes; "
-                "pass NumPy arrays, a tf.data.Dataset or a keras.utils.PyDataset"
+                "pass NumPy arrays, a tf.data.Dataset, a keras.utils.PyDataset or a torch DataLoader"
             )
         else:
             return
@@ -90,6 +93,20 @@ class DistributedTraining:
 
             args["x"] = tf_data_sharding.open_ended(args if sharding.is_array_input(args["x"]) else args["x"], args.get(batch_key))
             args.update({k: None for k in ("y", "sample_weight", batch_key) if k in args})
+
+    def _split_data_loader(self, loader, plan, pad):
+        from keras_dist import data_loader_sharding
+
+        if data_loader_sharding.is_split(loader):
+            return loader  # by the script, with a DistributedSampler
+        if plan.collective_steps:
+            raise KerasDistError(f"backend {self.backend.name!r} cannot read a torch DataLoader (its steps are "
+                                 "collectives); pass NumPy arrays, a tf.data.Dataset or a keras.utils.PyDataset")
+        shuffles = data_loader_sharding.shuffles(loader)
+        # One seed for every process's permutations, drawn anew for each call.
+        seed = self.backend.broadcast_object(int(np.random.SeedSequence().entropy % 2**31)) if shuffles else None
+        return data_loader_sharding.shard_data_loader(loader, plan.num_shards, plan.shard_index, pad,
+                                                      plan.batch_multiplier, seed)
 
     def _split_validation(self, args):
         if args.get("validation_split") and args.get("validation_data") is None and sharding.is_array_input(args.get("x")):
@@ -103,10 +120,9 @@ class DistributedTraining:
         validation = args.get("validation_data")
         if validation is None:
             return
-        if sharding.is_tf_dataset(validation) or isinstance(validation, keras.utils.PyDataset):
-            val = {"x": validation}
-        else:
-            val = dict(zip(_INPUT_NAMES, validation))
+        # As Keras reads it: a tuple is (x, y[, sample_weight]); anything else (a dataset, a
+        # PyDataset, a DataLoader) yields its own batches.
+        val = dict(zip(_INPUT_NAMES, validation)) if isinstance(validation, (tuple, list)) else {"x": validation}
         val["batch_size"] = args.get("validation_batch_size") or args.get("batch_size")
         val["steps"] = args.get("validation_steps")
         self._split(val, pad=False)
@@ -307,7 +323,7 @@ def attach(model, backend, gradient_options):
     """Makes `model.fit/evaluate/predict` run distributed on `backend`."""
     training = DistributedTraining(model, backend, gradient_options)
     names = ["fit", "evaluate", "predict"]
-    if backend.size > 1 and backend.run_loop.__func__ is Strategy.run_loop:  # Keras's own loops read logs
+    if backend.size > 1 and backend.runs_keras_loops:  # Keras's own loops read logs
         names += ["get_metrics_result", "_get_metrics_result_or_logs"]
     for name in names:
         override(model, name, getattr(training, name.lstrip("_")))

@@ -34,19 +34,34 @@ def make_writes_atomic(callback):
 
 
 def _atomic_checkpoint(callback):
+    """The model's own save goes to a partial file while Keras's `_save_model` runs, so
+    Keras decides and names everything as without keras_dist (its messages name the real
+    file); the partial file is published under the real name afterwards."""
     keras_save = callback._save_model
-    template = callback.filepath
 
     def _save_model(epoch, batch, logs):
-        final = callback._get_file_path(epoch, batch, logs)
-        callback.filepath = _partial(template)
+        model, written = callback.model, []
+        previous = {name: vars(model).get(name) for name in ("save", "save_weights")}
+
+        def to_partial_file(keras_method):
+            def save(filepath, *args, **kwargs):
+                final = os.fspath(filepath)
+                keras_method(_partial(final), *args, **kwargs)
+                written.append(final)
+            return save
+
+        for name in previous:
+            object.__setattr__(model, name, to_partial_file(getattr(model, name)))
         try:
-            partial = callback._get_file_path(epoch, batch, logs)
             keras_save(epoch, batch, logs)
         finally:
-            callback.filepath = template
-        if os.path.exists(partial):  # save_best_only may have skipped it
-            publish(partial, final)
+            for name, method in previous.items():
+                if method is None:
+                    del model.__dict__[name]
+                else:
+                    object.__setattr__(model, name, method)
+        for final in written:
+            publish(_partial(final), final)
 
     override(callback, "_save_model", _save_model)
 

@@ -31,7 +31,7 @@ class SyncInitialState(keras.callbacks.Callback):
 def sync_model_state(model, backend):
     """Checks the models match across processes, then copies the chief's state to all."""
     optimizer = model.optimizer
-    if optimizer is not None and not optimizer.built:
+    if optimizer is not None and not optimizer.built and model.built:  # an unbuilt model: fit builds both
         with backend.scope():  # before any fit (evaluate first), nothing else opened it
             optimizer.build(model.trainable_variables)
     # Optimizers a custom `compile` holds build on their first update, from zeros on every process.

@@ -74,6 +74,13 @@ class Strategy(abc.ABC):
     # batches alone, and keras_dist's hooks must reduce them (Horovod, PyTorch); False
     # when the framework's step reduces them itself (tf.distribute, JAX).
     reduces_in_keras_dist: ClassVar[bool] = False
+    # True when every process of a job builds the model (one copy per process): the
+    # strategy then starts at `import keras_dist` and all processes take the chief's
+    # random seed (`keras_dist.startup`), so weights made at any time agree.
+    shares_random_seed: ClassVar[bool] = False
+    # False when `run_loop` replaces Keras's fit/evaluate/predict loops with the
+    # strategy's own (parameter servers), which then read epoch logs themselves.
+    runs_keras_loops: ClassVar[bool] = True
 
     @classmethod
     def detect(cls, environ) -> bool:

@@ -33,8 +33,8 @@ _started = False
 def _start_process_group(environ):
     """Joins this process to its job's JAX process group (once, before any JAX computation).
 
-    Unlike `keras.distribution.initialize`, it agrees on no random seed (that imports
-    TensorFlow where installed): keras_dist broadcasts the chief's weights instead.
+    `keras.distribution.initialize` also agrees on one random seed; keras_dist does that
+    for every strategy in `keras_dist.startup`, without importing TensorFlow.
     """
     global _started
     if _started:
@@ -69,6 +69,7 @@ class JaxDataParallelStrategy(Strategy):
 
     name = "jax"
     launcher = "keras_distribution"
+    shares_random_seed = True
 
     @classmethod
     def detect(cls, environ) -> bool:
@@ -117,6 +118,13 @@ class JaxDataParallelStrategy(Strategy):
         # live on one device; the step needs them replicated over the global mesh.
         _replicate(model.variables)
         return model
+
+    def run_loop(self, method: str, model, keras_method, arguments: dict):
+        # Variables the script made before keras_dist started (metric objects, a model
+        # built first) would sit on one device where the global step needs them everywhere.
+        if method == "fit":
+            _replicate(_variables_of(model))
+        return keras_method(**arguments)
 
     def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
         # The sharded train step averages gradients itself (XLA's all-reduce).

@@ -31,6 +31,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
     """
 
     name = "multi_worker_mirrored"
+    shares_random_seed = True
     launcher = "tf_config"
 
     @classmethod

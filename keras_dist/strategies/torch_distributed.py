@@ -38,6 +38,7 @@ class TorchDistributedStrategy(Strategy):
     name = "torch"
     launcher = "torchrun"
     reduces_in_keras_dist = True
+    shares_random_seed = True
 
     @classmethod
     def detect(cls, environ) -> bool:

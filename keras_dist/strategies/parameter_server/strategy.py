@@ -60,6 +60,7 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "parameter_server"
+    runs_keras_loops = False
     launcher = "tf_config_with_ps"
 
     @classmethod

@@ -1,0 +1,86 @@
+"""Everything `import keras_dist` does to the process, in one place.
+
+A script changes two lines, so whatever must happen before it builds anything happens
+when it imports keras_dist. In a process some launcher started (`keras-dist launch`,
+`horovodrun`, `torchrun`, a `TF_CONFIG`...), `start` does, in this order:
+
+1. the selected strategy's `prepare_process`: settings the framework reads once (thread
+   pools), and for the TensorFlow cluster strategies their server; a TensorFlow task may
+   restart itself there with the loopback-binding library (`keras_dist.tf_cluster`), and
+   a parameter-server `ps` or `worker` task serves there and exits;
+2. a watcher thread that ends the task once its launcher is gone (`keras-dist launch`);
+3. when the job has several processes that each build the model (the strategy's
+   `shares_random_seed`): the strategy starts (its process group) and every
+   process takes the chief's random seed, unless the script seeded itself before. Weights
+   initialised without a seed, at any time (a model built after the first compile, a
+   lazily built `Sequential`, metric state), are then the same on every process, as
+   `keras.distribution.initialize` does for Keras's own multi-process JAX jobs.
+
+A plain process (no launcher) and the `keras-dist` tool itself do none of this.
+"""
+
+import logging
+import os
+import random
+import sys
+
+logger = logging.getLogger("keras_dist")
+
+
+def is_the_cli() -> bool:
+    """Whether this process is the `keras-dist` tool, which must never become a task.
+
+    `keras-dist info` / `launch` run with whatever TF_CONFIG the shell has; the tasks it
+    launches are separate processes.
+    """
+    program = (getattr(sys, "argv", None) or [""])[0]
+    return os.path.basename(program) == "keras-dist" or program.endswith(os.path.join("keras_dist", "cli.py"))
+
+
+def start(environ=os.environ) -> None:
+    """The start-up effects of `import keras_dist` (see the module docstring)."""
+    if is_the_cli():
+        return
+    from keras_dist import runtime, strategies
+    from keras_dist.launchers import processes
+
+    from keras_dist import environments
+
+    name, _ = strategies.select(environ=environ)
+    strategy = strategies.strategy_class(name)
+    strategy.prepare_process(environ)
+    processes.watch_launcher(environ)
+    if strategy.shares_random_seed and environments.detect(environ).size > 1:
+        share_random_seed(runtime.current())
+
+
+def share_random_seed(strategy) -> None:
+    """Seeds this process with the chief's seed (one collective), unless it seeded itself.
+
+    Keras's `set_random_seed` less TensorFlow's seed where TensorFlow is not loaded
+    (importing it would start TensorFlow under Keras on JAX or PyTorch): Python's,
+    NumPy's, the backend's and Keras's global seed generator.
+    """
+    if strategy.size == 1:
+        return
+    import keras
+    import numpy as np
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    # Drawn from the OS, not from the generators the seed is about to reset.
+    chief_seed = strategy.broadcast_object(int.from_bytes(os.urandom(4), "little") if strategy.is_chief else None)
+    if rng_utils.get_random_seed() is not None:
+        return  # the script's own seed wins
+    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, chief_seed)
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+    random.seed(chief_seed)
+    np.random.seed(chief_seed)
+    if "tensorflow" in sys.modules:
+        sys.modules["tensorflow"].random.set_seed(chief_seed)
+    if keras.backend.backend() == "torch":
+        import torch
+
+        torch.manual_seed(chief_seed)
+    logger.debug("process %d took the job's random seed %d", strategy.rank, chief_seed)

@@ -1,0 +1,114 @@
+"""Keras's guides for JAX and PyTorch, unchanged but for the two lines (tests/workers/keras_guides.py).
+
+Each Keras backend runs every pattern as one plain process at the global batch (the
+reference), with keras_dist in one process, and as 2 processes under `keras-dist
+launch` (plus `torchrun` for PyTorch). Seeded patterns must end where the reference
+does; unseeded ones must agree on every rank, with the frozen layer unmoved. The
+transfer-learning recipe also runs under Horovod and MultiWorkerMirrored.
+"""
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from conftest import BIN, PYTHON, WORKERS, horovodrun, run
+from test_published_patterns import assert_close
+
+pytestmark = pytest.mark.timeout(900)
+SCRIPT = WORKERS / "keras_guides.py"
+# Unseeded patterns first: a seeded one leaves the script seeded for the rest.
+UNSEEDED = ["unseeded_transfer_learning", "unseeded_dataloader_shuffled"]
+SEEDED = ["seeded_custom_train_step", "seeded_metric_objects", "seeded_second_model", "seeded_evaluate_unfitted",
+          "seeded_dataloader"]
+PATTERNS = [*UNSEEDED, "unseeded_iterable_dataset", *SEEDED]
+CONFIGURATIONS = {"jax": ["plain_1", "keras_dist_1", "launch_2"], "torch": ["plain_1", "keras_dist_1", "launch_2", "torchrun_2"]}
+
+
+def run_patterns(configuration, keras_backend, directory, patterns, timeout=400):
+    """Runs the worker under `configuration`; returns {pattern: [result per rank]}."""
+    argv = [SCRIPT, directory, "plain" if configuration == "plain_1" else "keras_dist", *patterns]
+    env = {"KERAS_BACKEND": keras_backend}
+    if configuration.endswith("_1"):
+        code, output = run([PYTHON, *argv], timeout, env=env)
+    elif configuration == "launch_2":
+        code, output = run([BIN / "keras-dist", "launch", "-n", 2, *argv], timeout, env=env)
+    elif configuration == "torchrun_2":
+        code, output = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, *argv],
+                           timeout, env=env)
+    elif configuration == "horovod_2":
+        code, output = horovodrun(2, argv, timeout, env=env)
+    else:
+        code, output = run([BIN / "keras-dist", "launch", "--backend", "multi_worker_mirrored", "-n", 2, *argv],
+                           timeout, env=env)
+    assert code == 0, f"{configuration}:\n{output[-5000:]}"
+    ranks = 1 if configuration.endswith("_1") else 2
+    results = {}
+    for pattern in patterns:
+        results[pattern] = []
+        for rank in range(ranks):
+            with open(os.path.join(directory, f"{pattern}.{rank}.pkl"), "rb") as f:
+                results[pattern].append(pickle.load(f))
+    return results
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGURATIONS))
+def guides(request, tmp_path_factory):
+    """(Keras backend, {configuration: {pattern: [result per rank]}})."""
+    keras_backend = request.param
+    pytest.importorskip(keras_backend)
+    pytest.importorskip("torch")  # the DataLoader patterns, on every Keras backend
+    return keras_backend, {name: run_patterns(name, keras_backend, tmp_path_factory.mktemp(f"{keras_backend}-{name}"),
+                                              PATTERNS)
+                           for name in CONFIGURATIONS[keras_backend]}
+
+
+def test_seeded_guides_match_one_plain_process_at_the_global_batch(guides):
+    keras_backend, results = guides
+    for configuration in CONFIGURATIONS[keras_backend][1:]:
+        for pattern in SEEDED:
+            reference = results["plain_1"][pattern][0]
+            for rank, result in enumerate(results[configuration][pattern]):
+                assert "refused" not in result, result.get("refused")
+                assert_close(result, reference, f"{keras_backend} {configuration} rank {rank} {pattern}")
+
+
+def test_unseeded_guides_start_alike_and_keep_a_frozen_layer_frozen(guides):
+    keras_backend, results = guides
+    for configuration in CONFIGURATIONS[keras_backend][1:]:
+        for pattern in UNSEEDED:
+            first, *others = results[configuration][pattern]
+            assert "refused" not in first, first.get("refused")
+            for rank, other in enumerate(others, 1):
+                other, first = ({k: v for k, v in r.items() if k != "seen"} for r in (other, first))
+                assert_close(other, first, f"{keras_backend} {configuration} rank {rank} {pattern}", tolerance=1e-6)
+        assert not results[configuration]["unseeded_transfer_learning"][0]["frozen_moved"], configuration
+
+
+def test_a_shuffling_data_loader_gives_each_replica_its_share_of_one_permutation(guides):
+    keras_backend, results = guides
+    everything = sorted(results["plain_1"]["unseeded_dataloader_shuffled"][0]["seen"][0][-70:])
+    for configuration in CONFIGURATIONS[keras_backend][2:]:
+        ranks = [r["seen"] for r in results[configuration]["unseeded_dataloader_shuffled"]]
+        for epoch in range(2):  # each epoch's last 35 reads (Keras reads a first batch to build the model)
+            shares = [seen[epoch][-35:] for seen in ranks]
+            assert sorted(shares[0] + shares[1]) == everything, (configuration, epoch)
+        assert ranks[0][0][-35:] != ranks[0][1][-35:]  # a new permutation each epoch
+
+
+def test_an_iterable_dataset_is_refused_in_one_line_under_two_processes_only(guides):
+    keras_backend, results = guides
+    assert "refused" not in results["keras_dist_1"]["unseeded_iterable_dataset"][0]
+    for configuration in CONFIGURATIONS[keras_backend][2:]:
+        message = results[configuration]["unseeded_iterable_dataset"][0]["refused"]
+        assert "IterableDataset" in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("configuration", ["horovod_2", "mwms_2"])
+def test_transfer_learning_on_tensorflow_keeps_the_frozen_base_frozen_on_every_rank(tmp_path, configuration):
+    results = run_patterns(configuration, "tensorflow", tmp_path, ["unseeded_transfer_learning"])
+    first, second = results["unseeded_transfer_learning"]
+    assert not first["frozen_moved"] and not second["frozen_moved"]
+    assert_close(second, first, configuration, tolerance=1e-6)
+    assert all(np.isfinite(w).all() for w in first["weights"])
