@@ -54,6 +54,10 @@ def build_from_local_batch(model, strategy):
     """
 
     def _maybe_symbolic_build(iterator=None, data_batch=None):
+        if type(model).call is keras.Model.call:
+            # No `call()` (the guide's GAN: sub-models and a `train_step` of its own): nothing
+            # to build from a batch; its step builds what it uses, as without a strategy.
+            return
         if iterator is not None:
             data_batch = iterator.data_adapter.get_tf_dataset().element_spec
         with strategy.scope():

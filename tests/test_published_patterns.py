@@ -24,7 +24,7 @@ EXACT = ["compile_twice", "custom_compile_two_optimizers", "custom_train_step", 
          "sample_and_class_weight", "dict_inputs_two_outputs", "preprocessing_in_tf_data", "py_dataset",
          "validation_split", "callbacks", "evaluate_before_fit", "save_and_load"]
 # Random augmentation, per-replica batch statistics, float16 rounding: workers agree only.
-AGREE = ["batchnorm_augmentation", "mixed_precision"]
+AGREE = ["batchnorm_augmentation", "mixed_precision", "gan_without_call"]
 PATTERNS = EXACT + AGREE
 SYNCHRONOUS = ["keras_dist_1", "horovod_2", "mwms_2"]
 

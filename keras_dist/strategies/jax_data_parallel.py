@@ -160,8 +160,11 @@ class JaxDataParallelStrategy(Strategy):
         variables = _variables_of(model)
         for variable in variables:
             # A copy: Keras's step donates its state, and this process's shard of the
-            # global array shares its buffer.
-            variable._value, variable._layout = self._jax.numpy.array(variable._value.addressable_data(0)), None
+            # global array shares its buffer. Through NumPy, so it is uncommitted like the
+            # metric states Keras resets and the batches it feeds: committed weights beside
+            # them compiled every local step twice, at each evaluation.
+            local = np.asarray(variable._value.addressable_data(0))
+            variable._value, variable._layout = self._jax.numpy.array(local), None
         global_functions = (model.test_function, model.predict_function)
         model.test_function, model.predict_function = getattr(model, "_keras_dist_local_functions", (None, None))
         distribution_lib.set_distribution(None)
@@ -200,7 +203,8 @@ class JaxDataParallelStrategy(Strategy):
         from jax.experimental import multihost_utils
 
         lengths = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32))).reshape(-1)
-        padded = np.zeros(int(lengths.max()), np.uint8)
+        # Padded to a power of two: each new shape is a new XLA computation to compile.
+        padded = np.zeros(max(256, 1 << (int(lengths.max()) - 1).bit_length()), np.uint8)
         padded[:len(data)] = np.frombuffer(data, np.uint8)
         gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
         return [gathered[rank, :length].tobytes() for rank, length in enumerate(lengths)]

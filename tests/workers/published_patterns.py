@@ -338,6 +338,59 @@ def pattern_mixed_precision():
         keras.mixed_precision.set_dtype_policy("float32")
 
 
+class GAN(keras.Model):
+    """The GAN of Keras's TensorFlow "customizing fit" guide: a `Model` subclass without
+    `call()`, two sub-models, an optimizer each, random latent vectors in `train_step`."""
+
+    def __init__(self, discriminator, generator, latent_dim):
+        super().__init__()
+        self.discriminator, self.generator, self.latent_dim = discriminator, generator, latent_dim
+        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+
+    def train_step(self, real):
+        if isinstance(real, tuple):
+            real = real[0]
+        batch = tf.shape(real)[0]
+        latent = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+        combined = tf.concat([self.generator(latent), real], axis=0)
+        labels = tf.concat([tf.ones((batch, 1)), tf.zeros((batch, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(combined))
+        weights = self.discriminator.trainable_weights
+        self.d_optimizer.apply(tape.gradient(d_loss, weights), weights)
+        latent = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(tf.zeros((batch, 1)), self.discriminator(self.generator(latent)))
+        weights = self.generator.trainable_weights
+        self.g_optimizer.apply(tape.gradient(g_loss, weights), weights)
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+def pattern_gan_without_call():
+    x, _ = data()
+    seeded()
+    discriminator = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(6)])
+    gan = GAN(discriminator, generator, latent_dim=4)
+    compile(gan, d_optimizer=keras.optimizers.Adam(1e-3), g_optimizer=keras.optimizers.Adam(1e-3),
+            loss_fn=keras.losses.BinaryCrossentropy(from_logits=True))
+    history = gan.fit(tf.data.Dataset.from_tensor_slices(x).batch(BATCH), epochs=2, verbose=0)
+    return {"weights": [np.array(w) for w in discriminator.get_weights() + generator.get_weights()],
+            "history": history.history}
+
+
 def main():
     for name in NAMES:
         try:
