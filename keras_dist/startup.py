@@ -57,9 +57,11 @@ def start(environ=os.environ) -> None:
 def share_random_seed(strategy) -> None:
     """Seeds this process with the chief's seed (one collective), unless it seeded itself.
 
-    Keras's `set_random_seed` less TensorFlow's seed where TensorFlow is not loaded
-    (importing it would start TensorFlow under Keras on JAX or PyTorch): Python's,
-    NumPy's, the backend's and Keras's global seed generator.
+    What Keras's `set_random_seed` seeds (Python's, NumPy's, Keras's global seed
+    generator, torch's), less TensorFlow's global seed: Keras's weights do not use it,
+    keras_dist already gives unseeded `tf.data` shuffles one seed, and setting it would
+    change the order of a shuffle seeded by the script (`shuffle(n, seed=4)`) from one
+    plain process's, and so break N replicas at batch B = one process at N*B.
     """
     if strategy.size == 1:
         return
@@ -77,8 +79,6 @@ def share_random_seed(strategy) -> None:
     global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
     random.seed(chief_seed)
     np.random.seed(chief_seed)
-    if "tensorflow" in sys.modules:
-        sys.modules["tensorflow"].random.set_seed(chief_seed)
     if keras.backend.backend() == "torch":
         import torch
 
