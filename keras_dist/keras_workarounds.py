@@ -57,6 +57,7 @@ def build_from_local_batch(model, strategy):
         if type(model).call is keras.Model.call:
             # No `call()` (the guide's GAN: sub-models and a `train_step` of its own): nothing
             # to build from a batch; its step builds what it uses, as without a strategy.
+            # Plain Keras fails here under any strategy since keras-team/keras#19969 (see #20045).
             return
         if iterator is not None:
             data_batch = iterator.data_adapter.get_tf_dataset().element_spec

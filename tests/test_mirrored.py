@@ -54,6 +54,15 @@ def test_upstream_keras_19246_still_fails():
     assert "You must feed a value for placeholder tensor" in out, out[-2000:]
 
 
+def test_upstream_keras_model_without_call_still_fails_under_a_strategy():
+    """Fails once Keras stops building a model without call() from a batch under a strategy
+    (keras-team/keras#19969, #20045): then drop that case from `build_from_local_batch`."""
+    ((code, out),) = runner.run([[os.path.join(os.path.dirname(runner.WORKER), "plain_keras.py"), "mirrored-no-call"]],
+                                [{}])
+    assert code == 0, out[-2000:]
+    assert "ERROR:" in out and "does not have a `call()` method" in out, out[-2000:]
+
+
 def test_detection_reads_only_the_environment():
     assert strategies.select(environ={"CUDA_VISIBLE_DEVICES": "0,1"})[0] == "mirrored"
     assert strategies.select(environ={"CUDA_VISIBLE_DEVICES": "0"})[0] == "single"

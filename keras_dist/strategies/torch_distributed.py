@@ -310,11 +310,13 @@ class HorovodTorchCollectives:
     def min(self, tensor):
         return self._hvd.allreduce(tensor, op=self._hvd.Min)
 
+    # Named: Horovod's default name is the object's type, and processes that pass objects
+    # of different types (the chief's seed, the others' None) would wait for each other forever.
     def allgather_object(self, obj):
-        return self._hvd.allgather_object(obj)
+        return self._hvd.allgather_object(obj, name="keras_dist.allgather_object")
 
     def broadcast_object(self, obj, root):
-        return self._hvd.broadcast_object(obj, root_rank=root)
+        return self._hvd.broadcast_object(obj, root_rank=root, name="keras_dist.broadcast_object")
 
     def broadcast_(self, tensor, root):
         self._hvd.broadcast_(tensor, root_rank=root)
