@@ -87,9 +87,10 @@ def shard_data_loader(loader: data.DataLoader, num_shards: int, index: int, pad:
         index: this process's shard.
         pad: equal shard lengths (training).
         batch_multiplier: the replicas this process feeds.
-        seed: the permutations' seed, shared by every process; used where the loader shuffles.
+        seed: the permutations' seed, shared by every process, where the loader shuffles
+            (`shuffles`); None: the dataset's order.
     """
-    sampler = InterleavedSampler(len(loader.dataset), num_shards, index, seed if shuffles(loader) else None, pad)
+    sampler = InterleavedSampler(len(loader.dataset), num_shards, index, seed, pad)
     return data.DataLoader(
         loader.dataset, batch_size=loader.batch_size * batch_multiplier, sampler=sampler,
         num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,

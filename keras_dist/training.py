@@ -13,6 +13,7 @@ otherwise batch logs (the progress bar's running values) are this worker's.
 
 import contextlib
 import inspect
+import os
 import warnings
 
 import keras
@@ -102,9 +103,9 @@ class DistributedTraining:
         if plan.collective_steps:
             raise KerasDistError(f"backend {self.backend.name!r} cannot read a torch DataLoader (its steps are "
                                  "collectives); pass NumPy arrays, a tf.data.Dataset or a keras.utils.PyDataset")
-        shuffles = data_loader_sharding.shuffles(loader)
         # One seed for every process's permutations, drawn anew for each call.
-        seed = self.backend.broadcast_object(int(np.random.SeedSequence().entropy % 2**31)) if shuffles else None
+        seed = self.backend.broadcast_object(int.from_bytes(os.urandom(4), "little")) \
+            if data_loader_sharding.shuffles(loader) else None
         return data_loader_sharding.shard_data_loader(loader, plan.num_shards, plan.shard_index, pad,
                                                       plan.batch_multiplier, seed)
 

@@ -17,7 +17,6 @@ OUT_DIR/PATTERN.RANK.pkl; a refused pattern stores {"refused": message}.
 """
 
 import os
-import pickle
 import sys
 
 import keras
@@ -26,6 +25,7 @@ from keras import ops
 
 import keras_dist
 from keras_dist import environments
+from pattern_runner import run_patterns
 
 OUT_DIR, MODE, NAMES = sys.argv[1], sys.argv[2], sys.argv[3:]
 GLOBAL_BATCH = 16
@@ -267,15 +267,5 @@ def pattern_unseeded_transfer_learning():
             "history": history.history}
 
 
-def main():
-    for name in NAMES:
-        try:
-            out = globals()[f"pattern_{name}"]()
-        except keras_dist.KerasDistError as exc:
-            out = {"refused": str(exc)}
-        with open(os.path.join(OUT_DIR, f"{name}.{RANK}.pkl"), "wb") as f:
-            pickle.dump(out, f)
-
-
 if __name__ == "__main__":
-    main()
+    run_patterns(globals(), NAMES, OUT_DIR, RANK)

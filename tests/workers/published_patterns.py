@@ -15,7 +15,6 @@ OUT_DIR/PATTERN.RANK.pkl; a pattern keras_dist refuses stores {"refused": messag
 
 import csv
 import os
-import pickle
 import sys
 
 import keras
@@ -24,6 +23,7 @@ import tensorflow as tf
 from keras import ops
 
 import keras_dist
+from pattern_runner import run_patterns
 
 OUT_DIR, MODE, NAMES = sys.argv[1], sys.argv[2], sys.argv[3:]
 GLOBAL_BATCH = 32
@@ -391,15 +391,5 @@ def pattern_gan_without_call():
             "history": history.history}
 
 
-def main():
-    for name in NAMES:
-        try:
-            out = globals()[f"pattern_{name}"]()
-        except keras_dist.KerasDistError as exc:
-            out = {"refused": str(exc)}
-        with open(os.path.join(OUT_DIR, f"{name}.{RANK}.pkl"), "wb") as f:
-            pickle.dump(out, f)
-
-
 if __name__ == "__main__":
-    main()
+    run_patterns(globals(), NAMES, OUT_DIR, RANK)
