@@ -15,7 +15,7 @@ from keras_dist import callbacks  # noqa: E402
 from keras_dist.compile import compile  # noqa: E402
 from keras_dist.errors import KerasDistError  # noqa: E402
 from keras_dist.runtime import current, init  # noqa: E402
-from keras_dist.training import distribute_dataset  # noqa: E402
+from keras_dist.inputs import distribute_dataset  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["KerasDistError", "callbacks", "compile", "current", "distribute_dataset", "init"]

@@ -13,23 +13,18 @@ otherwise batch logs (the progress bar's running values) are this worker's.
 
 import contextlib
 import inspect
-import os
 import warnings
 
 import keras
 import numpy as np
 from keras import tree
 
-from keras_dist import optimizer_hooks, runtime, sharding
+from keras_dist import inputs, optimizer_hooks
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck
 from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
-from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
-
-_INPUT_NAMES = ("x", "y", "sample_weight")
-
 
 class DistributedTraining:
     """The per-model state behind the wrapped methods."""
@@ -49,88 +44,6 @@ class DistributedTraining:
         # Whether the train function (traced once) sums metric states in every step.
         self.global_batch_logs = True
 
-    # --- inputs ---------------------------------------------------------------
-    @property
-    def num_shards(self):
-        return self.backend.input_plan.num_shards
-
-    def _split(self, args, pad, batch_key="batch_size", steps_key="steps", purpose="evaluate"):
-        """Replaces x/y/sample_weight in `args` with this process's shard."""
-        plan = self.backend.input_plan
-        x = args.get("x")
-        if sharding.is_tf_dataset(x):
-            from keras_dist import tf_data_sharding
-
-            if plan.num_shards > 1 and args.get(steps_key) is None and tf_data_sharding.is_infinite(x):
-                raise KerasDistError(f"the dataset is infinite (it repeats); pass {steps_key} to {purpose}")
-            # With a step count the epoch ends there; without, shards are padded to equal steps.
-            args["x"] = tf_data_sharding.shard_dataset(x, plan.num_shards, plan.shard_index, pad and args.get(steps_key) is None,
-                                               plan.batch_multiplier, files=purpose != "predict",
-                                               allgather=self.backend.allgather_object)
-        elif isinstance(x, keras.utils.PyDataset):
-            if plan.num_shards > 1 or plan.batch_multiplier > 1:
-                args["x"] = sharding.ShardedPyDataset(x, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier,
-                                                      contiguous=purpose == "predict",
-                                                      equal_steps=pad or plan.collective_steps)
-            return  # collective steps already end together (`equal_steps`)
-        elif sharding.is_data_loader(x):
-            if plan.num_shards > 1 or plan.batch_multiplier > 1:
-                args["x"] = self._split_data_loader(x, plan, pad)
-            return
-        elif x is not None and sharding.is_array_input(x):
-            arrays = {k: args[k] for k in _INPUT_NAMES if k in args}
-            args.update(sharding.shard_arrays(arrays, plan.num_shards, plan.shard_index, pad))
-            if args.get(batch_key) is not None:
-                args[batch_key] *= plan.batch_multiplier
-        elif plan.num_shards > 1:
-            raise KerasDistError(
-                f"keras_dist cannot split a {type(x).__name__} across {plan.num_shards} processes; "
-                "pass NumPy arrays, a tf.data.Dataset, a keras.utils.PyDataset or a torch DataLoader"
-            )
-        else:
-            return
-        if not pad and plan.collective_steps:
-            from keras_dist import tf_data_sharding
-
-            args["x"] = tf_data_sharding.open_ended(args if sharding.is_array_input(args["x"]) else args["x"], args.get(batch_key))
-            args.update({k: None for k in ("y", "sample_weight", batch_key) if k in args})
-
-    def _split_data_loader(self, loader, plan, pad):
-        from keras_dist import data_loader_sharding
-
-        if data_loader_sharding.is_split(loader):
-            return loader  # by the script, with a DistributedSampler
-        if plan.collective_steps:
-            raise KerasDistError(f"backend {self.backend.name!r} cannot read a torch DataLoader (its steps are "
-                                 "collectives); pass NumPy arrays, a tf.data.Dataset or a keras.utils.PyDataset")
-        # One seed for every process's permutations, drawn anew for each call.
-        seed = self.backend.broadcast_object(int.from_bytes(os.urandom(4), "little")) \
-            if data_loader_sharding.shuffles(loader) else None
-        return data_loader_sharding.shard_data_loader(loader, plan.num_shards, plan.shard_index, pad,
-                                                      plan.batch_multiplier, seed)
-
-    def _split_validation(self, args):
-        if args.get("validation_split") and args.get("validation_data") is None and sharding.is_array_input(args.get("x")):
-            # Split before sharding, as Keras would on one process: the last fraction.
-            arrays = {k: args.get(k) for k in _INPUT_NAMES}
-            length = len(next(a for a in arrays.values() if a is not None))
-            cut = int(length * (1.0 - args["validation_split"]))
-            args.update({k: None if a is None else a[:cut] for k, a in arrays.items()})
-            args["validation_data"] = tuple(None if a is None else a[cut:] for a in arrays.values())
-            args["validation_split"] = 0.0
-        validation = args.get("validation_data")
-        if validation is None:
-            return
-        # As Keras reads it: a tuple is (x, y[, sample_weight]); anything else (a dataset, a
-        # PyDataset, a DataLoader) yields its own batches.
-        val = dict(zip(_INPUT_NAMES, validation)) if isinstance(validation, (tuple, list)) else {"x": validation}
-        val["batch_size"] = args.get("validation_batch_size") or args.get("batch_size")
-        val["steps"] = args.get("validation_steps")
-        self._split(val, pad=False)
-        args["validation_data"] = val["x"] if not sharding.is_array_input(val["x"]) else tuple(val.get(k) for k in _INPUT_NAMES)
-        if args.get("validation_batch_size") is not None:
-            args["validation_batch_size"] = val["batch_size"]
-
     # --- wrapped methods --------------------------------------------------------
     def _worker_args(self, method, args, kwargs):
         bound = inspect.signature(method).bind(*args, **kwargs)
@@ -148,8 +61,14 @@ class DistributedTraining:
         arguments = self._worker_args(self.keras_fit, args, kwargs)
         if self.backend.reduces_in_keras_dist:
             self._choose_batch_logs(arguments["callbacks"])
-        self._split_validation(arguments)
-        self._split(arguments, pad=True, steps_key="steps_per_epoch", purpose="fit")
+        data, validation = inputs.fit(self.backend, _read(arguments, "steps_per_epoch"), arguments["validation_data"],
+                                      arguments["validation_split"], arguments["validation_batch_size"],
+                                      arguments["validation_steps"])
+        _write(arguments, data, "steps_per_epoch")
+        if validation is not None:
+            arguments.update(validation_data=validation.as_validation_data(), validation_split=0.0)
+            if arguments["validation_batch_size"] is not None:
+                arguments["validation_batch_size"] = validation.batch_size
         if self.backend.size > 1:
             # First at each epoch end, before user callbacks save; last at the start, after they restore.
             arguments["callbacks"] = [ReplicaCheck(self.backend), *arguments["callbacks"], SyncInitialState(self.backend)]
@@ -164,22 +83,19 @@ class DistributedTraining:
             with self._flag("in_evaluate"), local_steps:
                 return self.keras_evaluate(*args, **kwargs)
         arguments = self._worker_args(self.keras_evaluate, args, kwargs)
-        self._split(arguments, pad=False)
+        _write(arguments, inputs.evaluate(self.backend, _read(arguments, "steps")), "steps")
         self._sync_once()
         with self._flag("in_evaluate"), self._quiet_end_of_open_ended_input(), local_steps:
             return self.backend.run_loop("evaluate", self.model, self.keras_evaluate, arguments)
 
     def predict(self, *args, **kwargs):
         arguments = self._worker_args(self.keras_predict, args, kwargs)
-        self._split(arguments, pad=False, purpose="predict")
+        data = inputs.predict(self.backend, _read(arguments, "steps"))
+        _write(arguments, data, "steps")
         self._sync_once()
         with self._quiet_end_of_open_ended_input(), self.backend.process_local_steps(self.model):
             outputs = self.backend.run_loop("predict", self.model, self.keras_predict, arguments)
-        if self.num_shards == 1:
-            return outputs
-        if isinstance(arguments["x"], sharding.ShardedPyDataset):  # consecutive batches: in rank order
-            return tree.map_structure(lambda leaf: self.backend.allgather_array(np.asarray(leaf)), outputs)
-        return sharding.gather_interleaved(self.backend, outputs, self.num_shards)
+        return inputs.gather_predictions(self.backend, data, outputs)
 
     def _distribute_new_optimizers(self):
         """Optimizers the model took after compile (`model.g_optimizer = ...`) reduce too."""
@@ -294,30 +210,15 @@ def metric_results(metrics, states):
     return results
 
 
-def distribute_dataset(dataset, training=True):
-    """This process's share of `dataset`, as keras_dist's `fit` (or `evaluate`) reads it.
+def _read(arguments: dict, steps: str) -> inputs.Inputs:
+    """The input among a call's Keras arguments, its step bound named `steps`."""
+    return inputs.Inputs(arguments["x"], arguments.get("y"), arguments.get("sample_weight"),
+                         arguments["batch_size"], arguments[steps])
 
-    For loops of your own, and to see what each worker reads: a batched dataset whose
-    batch size is per replica, split as described in `keras_dist.sharding`.
 
-    Args:
-        dataset: a batched `tf.data.Dataset`, the same on every process.
-        training: pad the shards to equal length, as `fit` does (collective; every
-            process must call it).
-
-    Example:
-
-    ```python
-    for x, y in keras_dist.distribute_dataset(dataset):
-        ...
-    ```
-    """
-    from keras_dist import tf_data_sharding
-
-    backend = runtime.current()
-    plan = backend.input_plan
-    return tf_data_sharding.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
-                                  allgather=backend.allgather_object)
+def _write(arguments: dict, data: inputs.Inputs, steps: str) -> None:
+    """Puts `data` back among the call's Keras arguments (`predict` takes no y or sample_weight)."""
+    arguments.update((k, v) for k, v in data.arguments(steps).items() if k in arguments)
 
 
 def attach(model, backend, gradient_options):

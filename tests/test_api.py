@@ -5,7 +5,8 @@ import keras
 import pytest
 
 import keras_dist
-from keras_dist import strategies, sharding
+from keras_dist import strategies
+from keras_dist.inputs import arrays
 from keras_dist.errors import KerasDistError
 
 from conftest import BIN, PYTHON, ROOT, run
@@ -75,9 +76,9 @@ def test_horovod_requested_but_not_installed_names_the_fix():
 
 def test_arrays_are_interleaved_and_padded_only_for_training():
     x = np.arange(7)
-    assert [list(sharding.shard_arrays(x, 3, r, pad=False)) for r in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
-    assert [list(sharding.shard_arrays(x, 3, r, pad=True)) for r in range(3)] == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]
-    shards = sharding.shard_arrays({"x": x, "y": x * 10, "sample_weight": None}, 2, 1, pad=False)
+    assert [list(arrays.shard_arrays(x, 3, r, pad=False)) for r in range(3)] == [[0, 3, 6], [1, 4], [2, 5]]
+    assert [list(arrays.shard_arrays(x, 3, r, pad=True)) for r in range(3)] == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]
+    shards = arrays.shard_arrays({"x": x, "y": x * 10, "sample_weight": None}, 2, 1, pad=False)
     assert list(shards["y"]) == [10, 30, 50] and shards["sample_weight"] is None
 
 

@@ -18,7 +18,7 @@ from conftest import WORKERS, horovodrun
 sys.path.insert(0, str(WORKERS))
 import runner  # noqa: E402
 
-from keras_dist import sharding, tf_data_sharding  # noqa: E402
+from keras_dist.inputs import py_dataset, tf_data  # noqa: E402
 from keras_dist.errors import KerasDistError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -105,7 +105,7 @@ def test_bad_inputs_get_one_line_errors(workers):
 
 
 def shards(dataset, count, pad, **options):
-    return [[b.tolist() for b in tf_data_sharding.shard_dataset(dataset, count, r, pad, **options).as_numpy_iterator()]
+    return [[b.tolist() for b in tf_data.shard_dataset(dataset, count, r, pad, **options)[0].as_numpy_iterator()]
             for r in range(count)]
 
 
@@ -113,7 +113,7 @@ def test_odd_lengths_pad_fewer_than_n_elements_from_the_start():
     dataset = tf.data.Dataset.range(11).map(lambda i: i * 10).batch(4)
     assert shards(dataset, 3, pad=False) == [[[0, 30, 60, 90]], [[10, 40, 70, 100]], [[20, 50, 80]]]
     assert shards(dataset, 3, pad=True) == [[[0, 30, 60, 90]], [[10, 40, 70, 100]], [[20, 50, 80, 0]]]
-    assert tf_data_sharding.shard_dataset(dataset, 3, 0, pad=True).cardinality() == 1  # Keras sizes its progress bar
+    assert tf_data.shard_dataset(dataset, 3, 0, pad=True)[0].cardinality() == 1  # Keras sizes its progress bar
 
 
 def test_the_batch_grows_for_processes_that_feed_several_replicas():
@@ -138,7 +138,7 @@ def test_a_pipeline_that_batches_inside_a_function_falls_back_with_a_warning():
 def test_unbatched_datasets_are_a_one_line_error():
     for dataset in (tf.data.Dataset.range(4), tf.data.Dataset.from_tensor_slices(np.zeros((4, 8, 8, 3)))):
         with pytest.raises(KerasDistError, match=r"call \.batch\(batch_size\)"):
-            tf_data_sharding.shard_dataset(dataset, 2, 0, pad=True)
+            tf_data.shard_dataset(dataset, 2, 0, pad=True)
 
 
 class _Numbered(__import__("keras").utils.PyDataset):
@@ -162,15 +162,15 @@ def _served(dataset):
 def test_py_datasets_split_by_batch_index_with_equal_steps():
     numbered = _Numbered(7)
     # Training: shard 1 runs short and takes batch 0 again (fewer than N extra batches).
-    assert [_served(sharding.ShardedPyDataset(numbered, 2, r, pad=True)) for r in range(2)] == \
+    assert [_served(py_dataset.ShardedPyDataset(numbered, 2, r, pad=True)) for r in range(2)] == \
         [[[0], [2], [4], [6]], [[1], [3], [5], [0]]]
     # Evaluation: an empty batch instead, which adds nothing to metrics or predictions.
-    assert [_served(sharding.ShardedPyDataset(numbered, 2, r, pad=False)) for r in range(2)] == \
+    assert [_served(py_dataset.ShardedPyDataset(numbered, 2, r, pad=False)) for r in range(2)] == \
         [[[0], [2], [4], [6]], [[1], [3], [5], []]]
     # A process feeding two replicas concatenates their batches of each step.
-    assert _served(sharding.ShardedPyDataset(numbered, 2, 1, pad=False, batch_multiplier=2)) == [[2, 3], [6]]
+    assert _served(py_dataset.ShardedPyDataset(numbered, 2, 1, pad=False, batch_multiplier=2)) == [[2, 3], [6]]
 
 
 def test_py_datasets_for_predict_split_into_consecutive_runs_in_rank_order():
-    shards = [_served(sharding.ShardedPyDataset(_Numbered(7), 2, r, pad=False, contiguous=True)) for r in range(2)]
+    shards = [_served(py_dataset.ShardedPyDataset(_Numbered(7), 2, r, pad=False, contiguous=True)) for r in range(2)]
     assert shards == [[[0], [1], [2], [3]], [[4], [5], [6], []]]

@@ -106,9 +106,45 @@ def test_an_iterable_dataset_is_refused_in_one_line_under_two_processes_only(gui
 
 
 @pytest.mark.parametrize("configuration", ["horovod_2", "mwms_2"])
-def test_transfer_learning_on_tensorflow_keeps_the_frozen_base_frozen_on_every_rank(tmp_path, configuration):
-    results = run_patterns(configuration, "tensorflow", tmp_path, ["unseeded_transfer_learning"])
+def test_tensorflow_strategies_keep_a_frozen_base_frozen_and_split_or_refuse_a_data_loader(tmp_path, configuration):
+    pytest.importorskip("torch")
+    results = run_patterns(configuration, "tensorflow", tmp_path, ["unseeded_transfer_learning", "seeded_dataloader"])
     first, second = results["unseeded_transfer_learning"]
     assert not first["frozen_moved"] and not second["frozen_moved"]
     assert_close(second, first, configuration, tolerance=1e-6)
     assert all(np.isfinite(w).all() for w in first["weights"])
+    # A DataLoader: split under Horovod; refused in one line where every step is a collective.
+    loader = results["seeded_dataloader"]
+    if configuration == "mwms_2":
+        assert all("cannot read a torch DataLoader" in r["refused"] and "\n" not in r["refused"] for r in loader)
+    else:
+        assert "refused" not in loader[0], loader[0]
+        assert_close(loader[1], loader[0], configuration, tolerance=1e-6)
+
+
+def test_the_fit_start_broadcast_reports_ranks_whose_weights_differed(tmp_path):
+    """With the job's seed the weights agree before fit; a script seeding each rank apart is told."""
+    script = tmp_path / "seeds.py"
+    script.write_text(
+        "import logging, sys\n"
+        "import keras, numpy as np\n"
+        "import keras_dist\n"
+        "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+        "def train(name):\n"
+        "    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+        "    keras_dist.compile(model, optimizer='sgd', loss='mse')\n"
+        "    print('fitting', name, flush=True)\n"
+        "    model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=2, verbose=0)\n"
+        "    sys.stderr.flush()\n"
+        "train('shared')\n"
+        "keras.utils.set_random_seed(keras_dist.current().rank)\n"
+        "train('apart')\n"
+        "print('done', flush=True)\n"
+    )
+    # PyTorch: under JAX's multi-process distribution Keras itself refuses unequal new variables.
+    pytest.importorskip("torch")
+    code, output = run([BIN / "keras-dist", "launch", "-n", 2, script], 300, env={"KERAS_BACKEND": "torch"})
+    assert code == 0, output[-3000:]
+    shared, apart = output.split("fitting apart", 1)
+    assert "differed from the chief's" not in shared, shared[-2000:]
+    assert "rank(s) [1] differed from the chief's" in apart, apart[-2000:]

@@ -1,9 +1,14 @@
 """Start every replica from the chief's weights, optimizer state and epoch."""
 
+import logging
+
 import keras
 
 from keras_dist import optimizer_hooks
+from keras_dist.callbacks.replica_check import weights_digest
 from keras_dist.errors import KerasDistError
+
+logger = logging.getLogger("keras_dist")
 
 
 class SyncInitialState(keras.callbacks.Callback):
@@ -29,7 +34,12 @@ class SyncInitialState(keras.callbacks.Callback):
 
 
 def sync_model_state(model, backend):
-    """Checks the models match across processes, then copies the chief's state to all."""
+    """Checks the models match across processes, then copies the chief's state to all.
+
+    With the job's shared seed (`keras_dist.startup`) the weights already agree, so the
+    copy only carries what the chief alone holds (a restored checkpoint); where it
+    changes a worker's weights, the log says so.
+    """
     optimizer = model.optimizer
     if optimizer is not None and not optimizer.built and model.built:  # an unbuilt model: fit builds both
         with backend.scope():  # before any fit (evaluate first), nothing else opened it
@@ -38,6 +48,11 @@ def sync_model_state(model, backend):
     built = [o for o in optimizer_hooks.optimizers_of(model) if o.built]
     variables = list(model.weights) + [v for o in built for v in o.variables]
     check_same_variables(variables, backend)
+    digests = backend.allgather_object(weights_digest(model.weights))
+    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if differing:
+        logger.info("the weights of rank(s) %s differed from the chief's before training; all now start from the "
+                    "chief's (a checkpoint it restored, or weights made per process)", differing)
     backend.broadcast_variables(variables)
 
 

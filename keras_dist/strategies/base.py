@@ -39,7 +39,7 @@ class GradientOptions:
 class InputPlan:
     """How one process reads the script's inputs: the backend's answer, as plain data.
 
-    `keras_dist.sharding` applies it once, the same way for every backend.
+    `keras_dist.inputs` applies it once, the same way for every backend.
 
     Args:
         num_shards: into how many interleaved shards the inputs are split (one per
@@ -125,6 +125,14 @@ class Strategy(abc.ABC):
     def input_plan(self) -> InputPlan:
         """How this process reads the script's inputs (default: one shard per process)."""
         return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
+
+    def take_input(self, x, equal_steps: bool):
+        """What Keras reads for this process's split input `x` (default: `x` itself).
+
+        `equal_steps`: every process's `x` is known to give the same number of batches of
+        the same sizes (a padded training shard).
+        """
+        return x
 
     # --- model and optimizer --------------------------------------------------
     def scope(self):

@@ -8,6 +8,7 @@ replica its own batches.
 import dataclasses
 import os
 import pickle
+import weakref
 
 from keras_dist.strategies.base import InputPlan
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy, with_undivided_losses
@@ -145,6 +146,13 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         # Every step is a collective: uneven evaluation shards must still end together.
         return dataclasses.replace(super().input_plan, collective_steps=True)
 
+    def take_input(self, x, equal_steps: bool):
+        from keras_dist.inputs import is_tf_dataset
+
+        if equal_steps and is_tf_dataset(x):  # arrays become a dataset later, inside Keras
+            self.strategy.equal_steps.add(x)
+        return x
+
     def worker_file_callback(self, callback):
         # Saving is a collective too: the other workers save into scratch directories.
         return ScratchCallback(callback)
@@ -193,16 +201,21 @@ def _make_strategy():
         batch divided by the local replica count, and steps stay as Keras counts them.
         """
 
-        def experimental_distribute_dataset(self, dataset, options=None):
-            from keras_dist import tf_data_sharding
+        def __init__(self):
+            super().__init__()
+            # Shards every worker reads in batches of the same number and sizes (`take_input`).
+            self.equal_steps = weakref.WeakSet()
 
-            equal_steps = dataset in tf_data_sharding.EQUAL_STEPS
+        def experimental_distribute_dataset(self, dataset, options=None):
+            from keras_dist.inputs import tf_data
+
+            equal_steps = dataset in self.equal_steps
             local = len(self.extended.worker_devices)
             no_autoshard = tf.data.Options()
             no_autoshard.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
             dataset = dataset.with_options(no_autoshard)
             if local > 1:
-                batch, _ = tf_data_sharding.dataset_batch_size(dataset)
+                batch, _ = tf_data.dataset_batch_size(dataset)
                 dataset = dataset.rebatch(-(-batch // local))
             if not equal_steps:
                 return self.distribute_datasets_from_function(lambda _: dataset, options)

@@ -9,7 +9,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, tf_data_sharding
+from keras_dist import keras_workarounds
+from keras_dist.inputs import tf_data
 from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
 from keras_dist.errors import KerasDistError
@@ -340,7 +341,7 @@ def _rebuildable_on_workers(x, steps_per_epoch):
     """
     if not isinstance(x, tf.data.Dataset) or steps_per_epoch is None or x.cardinality() != tf.data.INFINITE_CARDINALITY:
         return False
-    return not tf_data_sharding.runs_python(x)
+    return not tf_data.runs_python(x)
 
 
 def _known_length(dataset):

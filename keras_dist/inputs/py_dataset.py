@@ -1,52 +1,10 @@
-"""Input sharding that needs no framework: arrays, `keras.utils.PyDataset`, gathering outputs.
-
-Arrays are split interleaved: element i goes to shard i mod N. With shuffling off, shard
-r at batch B then sees, at step k, exactly the elements of global batch k of one process
-at batch N*B, so N replicas at batch B compute the same updates as one process at N*B.
-`tf.data` pipelines are split inside their graph by `keras_dist.tf_data_sharding`, which
-alone imports TensorFlow.
-"""
-
-import sys
+"""`keras.utils.PyDataset` sharding: each process loads only its share of the batches."""
 
 import keras
 import numpy as np
 from keras import tree
 
 from keras_dist.errors import KerasDistError
-
-
-def is_tf_dataset(data):
-    """Whether `data` is a `tf.data.Dataset` (without importing TensorFlow: none exists before it is)."""
-    tf = sys.modules.get("tensorflow")
-    return tf is not None and isinstance(data, tf.data.Dataset)
-
-
-def is_data_loader(data):
-    """Whether `data` is a `torch.utils.data.DataLoader` (without importing torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(data, torch.utils.data.DataLoader)
-
-
-def is_array_input(data):
-    leaves = tree.flatten(data)
-    return bool(leaves) and all(hasattr(a, "__array__") for a in leaves)  # NumPy, tf.Tensor, jax.Array...
-
-
-def shard_arrays(data, num_shards, index, pad):
-    """Shard `index` of a nested structure of equally long arrays (None leaves kept)."""
-    leaves = [a for a in tree.flatten(data) if a is not None]
-    if not leaves:
-        return data
-    length = len(leaves[0])
-    if any(len(a) != length for a in leaves):
-        raise KerasDistError("x, y and sample_weight must have the same number of samples; check their first dimensions")
-    if length == 0 and num_shards > 1:
-        raise KerasDistError("x has no samples; pass a non-empty input")
-    if pad and length % num_shards:
-        order = np.arange(length + (-length) % num_shards) % length
-        return tree.map_structure(lambda a: None if a is None else np.asarray(a)[order[index::num_shards]], data)
-    return tree.map_structure(lambda a: None if a is None else a[index::num_shards], data)
 
 
 class ShardedPyDataset(keras.utils.PyDataset):
@@ -109,19 +67,3 @@ class ShardedPyDataset(keras.utils.PyDataset):
 
     def on_epoch_end(self):
         self.dataset.on_epoch_end()
-
-
-def gather_interleaved(backend, local_outputs, num_shards):
-    """Inverse of the unpadded interleaved split: every process gets the full result."""
-
-    def gather(leaf):
-        parts = backend.allgather_object(len(leaf))
-        stacked = backend.allgather_array(np.asarray(leaf))
-        out = np.empty((sum(parts),) + stacked.shape[1:], dtype=stacked.dtype)
-        start = 0
-        for rank, count in enumerate(parts):
-            out[rank::num_shards][:count] = stacked[start:start + count]
-            start += count
-        return out
-
-    return tree.map_structure(gather, local_outputs)

@@ -1,7 +1,7 @@
 """`tf.data` sharding: each process reads and preprocesses only its share of a pipeline.
 
 A `tf.data.Dataset` is split interleaved (element i to shard i mod N, as arrays are in
-`keras_dist.sharding`) inside its own pipeline, which is rewritten once per call
+`keras_dist.inputs.arrays`) inside its own pipeline, which is rewritten once per call
 (`fit`, `evaluate`, `predict`), never run whole on every worker:
 
 * **Files.** Where the pipeline reads files (TFRecord, text lines, fixed-length records,
@@ -26,7 +26,6 @@ in input order.
 """
 
 import warnings
-import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -57,7 +56,8 @@ def _not_batched():
 
 
 def shard_dataset(dataset, num_shards, index, pad, batch_multiplier=1, files=True, allgather=None):
-    """This process's share of a batched dataset, each batch `batch_multiplier` times larger.
+    """This process's share of a batched dataset, each batch `batch_multiplier` times larger,
+    and whether every process's share has the same number of batches of the same sizes.
 
     Args:
         dataset: the script's batched `tf.data.Dataset`. One whose
@@ -87,14 +87,7 @@ def shard_dataset(dataset, num_shards, index, pad, batch_multiplier=1, files=Tru
     if batch_multiplier > 1:
         own_batch, drop_remainder = dataset_batch_size(dataset)
         dataset = dataset.rebatch(own_batch * batch_multiplier, drop_remainder=drop_remainder)
-    if equal_steps:
-        EQUAL_STEPS.add(dataset)
-    return dataset
-
-
-# Shards known to give every process the same number of batches of the same sizes, so a
-# strategy need not agree at every step whether every worker still has data.
-EQUAL_STEPS = weakref.WeakSet()
+    return dataset, equal_steps
 
 
 def _shard_after_pipeline(dataset, num_shards, index, pad):

@@ -2,7 +2,7 @@
 
 A loader over a map-style dataset is rebuilt around the same dataset, `collate_fn`,
 workers and options, with a sampler that gives sample i to shard i mod N (the rule
-`keras_dist.sharding` states for arrays). Its batch size is the script's times the
+`keras_dist.inputs` states for every input). Its batch size is the script's times the
 replicas this process feeds. A shuffling loader (`shuffle=True`) draws one permutation
 per epoch from a seed every process shares, then takes its interleaved share of it, so
 no sample is read twice or never. Training shards are padded to equal length by wrapping

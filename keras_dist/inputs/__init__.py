@@ -1,0 +1,208 @@
+"""The one home of input: what each process reads for `fit`, its validation, `evaluate` and `predict`.
+
+Keras routes a call's input from its trainer through a data adapter to the distribution;
+keras_dist splits it once, before that route starts, by one rule for every kind Keras
+accepts: element i goes to replica i mod N, the batch size stays per replica, training
+shards are padded so every replica runs the same number of steps, and evaluation and
+prediction shards are not (every example counts once). Each kind has its module, and
+only the module of a kind imports its framework:
+
+* arrays (NumPy, or anything with `__array__`): `keras_dist.inputs.arrays`;
+* `tf.data.Dataset`: `keras_dist.inputs.tf_data` (rewrites the pipeline so each process
+  reads and preprocesses only its share);
+* `keras.utils.PyDataset`: `keras_dist.inputs.py_dataset`;
+* torch `DataLoader`: `keras_dist.inputs.data_loader` (as `DistributedSampler` splits).
+
+A strategy says how its process reads (`Strategy.input_plan`) and sees every shard once,
+through `Strategy.take_input`, before Keras does.
+"""
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+import keras
+import numpy as np
+from keras import tree
+
+from keras_dist.errors import KerasDistError
+from keras_dist.inputs import arrays
+from keras_dist.inputs.py_dataset import ShardedPyDataset
+
+# The argument that bounds a call's steps, by purpose, as Keras names it.
+_STEPS = {"fit": "steps_per_epoch", "validation": "validation_steps", "evaluate": "steps", "predict": "steps"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """One call's input, as Keras's data adapters take it.
+
+    Args:
+        x, y, sample_weight: as `fit` takes them (y and sample_weight only with arrays).
+        batch_size: per process, once split (Keras's default where None).
+        steps: the call's bound on steps (`steps_per_epoch`, `validation_steps`, `steps`).
+    """
+
+    x: Any
+    y: Any = None
+    sample_weight: Any = None
+    batch_size: int | None = None
+    steps: int | None = None
+
+    @classmethod
+    def of_validation(cls, validation_data, batch_size: int | None, steps: int | None) -> "Inputs":
+        # As Keras reads it: a tuple is (x, y[, sample_weight]); anything else (a dataset, a
+        # PyDataset, a DataLoader) yields its own batches.
+        data = tuple(validation_data) if isinstance(validation_data, (tuple, list)) else (validation_data,)
+        return cls(*data, batch_size=batch_size, steps=steps)
+
+    def as_validation_data(self):
+        """What `fit` takes as `validation_data`."""
+        return (self.x, self.y, self.sample_weight) if arrays.is_array_input(self.x) else self.x
+
+    def arguments(self, steps: str) -> dict:
+        """Keras's keyword arguments for this input, the step bound named `steps`."""
+        return {"x": self.x, "y": self.y, "sample_weight": self.sample_weight, "batch_size": self.batch_size,
+                steps: self.steps}
+
+
+def fit(strategy, data: Inputs, validation_data=None, validation_split: float = 0.0,
+        validation_batch_size: int | None = None, validation_steps: int | None = None) -> tuple[Inputs, Inputs | None]:
+    """This process's training input (padded to equal steps) and validation input (None: none)."""
+    if validation_split and validation_data is None and arrays.is_array_input(data.x):
+        data, validation_data = _hold_out(data, validation_split)
+    validation = None
+    if validation_data is not None:
+        held = Inputs.of_validation(validation_data, validation_batch_size or data.batch_size, validation_steps)
+        validation = _split(strategy, held, pad=False, purpose="validation")
+    return _split(strategy, data, pad=True, purpose="fit"), validation
+
+
+def evaluate(strategy, data: Inputs) -> Inputs:
+    """This process's share of `evaluate`'s input (not padded)."""
+    return _split(strategy, data, pad=False, purpose="evaluate")
+
+
+def predict(strategy, data: Inputs) -> Inputs:
+    """This process's share of `predict`'s input (not padded; files never split, to keep the order)."""
+    return _split(strategy, data, pad=False, purpose="predict")
+
+
+def gather_predictions(strategy, data: Inputs, outputs):
+    """Every process's `predict` outputs for the split `data`, in the script's input order."""
+    if strategy.input_plan.num_shards == 1:
+        return outputs
+    if isinstance(data.x, ShardedPyDataset):  # consecutive batches: in rank order
+        return tree.map_structure(lambda leaf: strategy.allgather_array(np.asarray(leaf)), outputs)
+    return arrays.gather_interleaved(strategy, outputs, strategy.input_plan.num_shards)
+
+
+def distribute_dataset(dataset, training: bool = True):
+    """This process's share of `dataset`, as keras_dist's `fit` (or `evaluate`) reads it.
+
+    For loops of your own, and to see what each worker reads: a batched dataset whose
+    batch size is per replica, split as described in `keras_dist.inputs`.
+
+    Args:
+        dataset: a batched `tf.data.Dataset`, the same on every process.
+        training: pad the shards to equal length, as `fit` does (collective; every
+            process must call it).
+
+    Example:
+
+    ```python
+    for x, y in keras_dist.distribute_dataset(dataset):
+        ...
+    ```
+    """
+    from keras_dist import runtime
+    from keras_dist.inputs import tf_data
+
+    strategy = runtime.current()
+    plan = strategy.input_plan
+    shard, _ = tf_data.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
+                                     allgather=strategy.allgather_object)
+    return shard
+
+
+def is_tf_dataset(data) -> bool:
+    """Whether `data` is a `tf.data.Dataset` (without importing TensorFlow: none exists before it is)."""
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(data, tf.data.Dataset)
+
+
+def is_data_loader(data) -> bool:
+    """Whether `data` is a `torch.utils.data.DataLoader` (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(data, torch.utils.data.DataLoader)
+
+
+def _hold_out(data: Inputs, fraction: float) -> tuple[Inputs, tuple]:
+    """Keras's `validation_split`, taken before the split as one process would: the last fraction."""
+    parts = (data.x, data.y, data.sample_weight)
+    length = len(next(a for a in parts if a is not None))
+    cut = int(length * (1.0 - fraction))
+    kept = [None if a is None else a[:cut] for a in parts]
+    return dataclasses.replace(data, x=kept[0], y=kept[1], sample_weight=kept[2]), \
+        tuple(None if a is None else a[cut:] for a in parts)
+
+
+def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
+    """This process's share of `data`, as the strategy then takes it."""
+    plan = strategy.input_plan
+    x, equal_steps = data.x, False
+    if is_tf_dataset(x):
+        from keras_dist.inputs import tf_data
+
+        if plan.num_shards > 1 and data.steps is None and tf_data.is_infinite(x):
+            caller = "fit" if purpose == "validation" else purpose
+            raise KerasDistError(f"the dataset is infinite (it repeats); pass {_STEPS[purpose]} to {caller}")
+        # With a step count the epoch ends there; without, shards are padded to equal steps.
+        x, equal_steps = tf_data.shard_dataset(x, plan.num_shards, plan.shard_index, pad and data.steps is None,
+                                               plan.batch_multiplier, files=purpose != "predict",
+                                               allgather=strategy.allgather_object)
+        data = dataclasses.replace(data, x=x)
+    elif isinstance(x, keras.utils.PyDataset):
+        if plan.num_shards > 1 or plan.batch_multiplier > 1:
+            # Collective steps end together through `equal_steps`, so no open-ended input.
+            x = ShardedPyDataset(x, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier,
+                                 contiguous=purpose == "predict", equal_steps=pad or plan.collective_steps)
+        return dataclasses.replace(data, x=strategy.take_input(x, False))
+    elif is_data_loader(x):
+        if plan.num_shards > 1 or plan.batch_multiplier > 1:
+            x = _split_data_loader(strategy, x, pad)
+        return dataclasses.replace(data, x=strategy.take_input(x, False))
+    elif x is not None and arrays.is_array_input(x):
+        split = arrays.shard_arrays({"x": x, "y": data.y, "sample_weight": data.sample_weight},
+                                    plan.num_shards, plan.shard_index, pad)
+        batch_size = None if data.batch_size is None else data.batch_size * plan.batch_multiplier
+        data, equal_steps = dataclasses.replace(data, **split, batch_size=batch_size), pad
+    elif plan.num_shards > 1:
+        raise KerasDistError(
+            f"keras_dist cannot split a {type(x).__name__} across {plan.num_shards} processes; "
+            "pass NumPy arrays, a tf.data.Dataset, a keras.utils.PyDataset or a torch DataLoader"
+        )
+    else:
+        return data
+    if not pad and plan.collective_steps:
+        from keras_dist.inputs import tf_data
+
+        # Shards of different lengths: one open-ended dataset, which every worker ends together.
+        source = data.x if is_tf_dataset(data.x) else {"x": data.x, "y": data.y, "sample_weight": data.sample_weight}
+        data = Inputs(tf_data.open_ended(source, data.batch_size), steps=data.steps)
+    return dataclasses.replace(data, x=strategy.take_input(data.x, equal_steps))
+
+
+def _split_data_loader(strategy, loader, pad: bool):
+    from keras_dist.inputs import data_loader
+
+    if data_loader.is_split(loader):
+        return loader  # by the script, with a DistributedSampler
+    if strategy.input_plan.collective_steps:
+        raise KerasDistError(f"backend {strategy.name!r} cannot read a torch DataLoader (its steps are "
+                             "collectives); pass NumPy arrays, a tf.data.Dataset or a keras.utils.PyDataset")
+    # One seed for every process's permutations, drawn anew for each call.
+    seed = strategy.broadcast_object(int.from_bytes(os.urandom(4), "little")) if data_loader.shuffles(loader) else None
+    plan = strategy.input_plan
+    return data_loader.shard_data_loader(loader, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier, seed)
