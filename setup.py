@@ -1,6 +1,6 @@
 """Builds keras_dist's one compiled part; everything else is declared in setup.cfg.
 
-`keras_dist/_bind_loopback.so` is a plain C library that keras_dist preloads (LD_PRELOAD)
+`keras_dist/_bind_address.so` is a plain C library that keras_dist preloads (LD_PRELOAD)
 into the processes of a cluster on one machine, so their TensorFlow servers listen on
 loopback only (see keras_dist/tf_cluster.py). LD_PRELOAD is a Linux (glibc/musl) feature.
 """
@@ -12,14 +12,14 @@ from setuptools.command.build_ext import build_ext
 
 
 class BuildPreloadLibrary(build_ext):
-    """Names the library `_bind_loopback.so`: it is preloaded, never imported by Python."""
+    """Names the library `_bind_address.so`: it is preloaded, never imported by Python."""
 
     def get_ext_filename(self, fullname):
         return fullname.replace(".", "/") + ".so"
 
 
 setup(
-    ext_modules=[Extension("keras_dist._bind_loopback", ["keras_dist/bind_loopback.c"], libraries=["dl"])]
+    ext_modules=[Extension("keras_dist._bind_address", ["keras_dist/bind_address.c"], libraries=["dl"])]
     if sys.platform.startswith("linux") else [],
     cmdclass={"build_ext": BuildPreloadLibrary},
 )

@@ -4,9 +4,11 @@ A script changes two lines, so whatever must happen before it builds anything ha
 when it imports keras_dist. In a process some launcher started (`keras-dist launch`,
 `horovodrun`, `torchrun`, a `TF_CONFIG`...), `start` does, in this order:
 
-1. the selected strategy's `prepare_process`: settings the framework reads once (thread
+1. in a job of several processes, the choice of the network interface that reaches the
+   job's coordinator, for every engine that has not been told one (`keras_dist.network`);
+   then the selected strategy's `prepare_process`: settings the framework reads once (thread
    pools), and for the TensorFlow cluster strategies their server; a TensorFlow task may
-   restart itself there with the loopback-binding library (`keras_dist.tf_cluster`), and
+   restart itself there with the address-binding library (`keras_dist.tf_cluster`), and
    a parameter-server `ps` or `worker` task serves there and exits;
 2. a watcher thread that ends the task once its launcher is gone (`keras-dist launch`);
 3. when the job has several processes that each build the model (the strategy's
@@ -44,13 +46,16 @@ def start(environ=os.environ) -> None:
     from keras_dist import runtime, strategies
     from keras_dist.launchers import processes
 
-    from keras_dist import environments
+    from keras_dist import environments, network
 
     name, _ = strategies.select(environ=environ)
     strategy = strategies.strategy_class(name)
+    environment = environments.detect(environ)
+    if environment.size > 1:
+        network.choose_interface(environ, environment.coordinator or getattr(environment, "store", None))
     strategy.prepare_process(environ)
     processes.watch_launcher(environ)
-    if strategy.shares_random_seed and environments.detect(environ).size > 1:
+    if strategy.shares_random_seed and environment.size > 1:
         share_random_seed(runtime.current())
 
 

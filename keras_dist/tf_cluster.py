@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+from keras_dist import network
 from keras_dist.errors import KerasDistError
 
 _EXAMPLE = '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}}'
@@ -83,9 +84,9 @@ def parse_tf_config(text):
 
 
 BIND_ALL_ENV = "KERAS_DIST_BIND_ALL"
-# Read by the preloaded library (keras_dist/bind_loopback.c): the address replacing wildcards.
-BIND_LOOPBACK_ENV = "KERAS_DIST_BIND_LOOPBACK"
-BIND_LIBRARY = Path(__file__).with_name("_bind_loopback.so")
+# Read by the preloaded library (keras_dist/bind_address.c): the address replacing wildcards.
+BIND_ADDRESS_ENV = "KERAS_DIST_BIND_ADDRESS"
+BIND_LIBRARY = Path(__file__).with_name("_bind_address.so")
 
 
 def prepare_server_process(environ):
@@ -96,11 +97,12 @@ def prepare_server_process(environ):
     1. checks that the task's port is free (or already served by this process, when the
        script started its strategy first), so a clash is a one-line error instead of
        TensorFlow's "Could not start gRPC server";
-    2. when every TF_CONFIG address is on this machine (127.x or localhost), makes the
-       process's TCP listeners bind to its loopback address instead of all interfaces.
-       TensorFlow hard-codes a wildcard listen address, and its servers run whatever
-       graph a client sends, without authentication. Unless the library that rewrites
-       wildcard binds (`keras_dist/_bind_loopback.so`, built at install) is loaded already,
+    2. makes the process's TCP listeners bind to the cluster's address instead of all
+       interfaces: its loopback address when every TF_CONFIG address is on this machine
+       (127.x or localhost), else the address of this machine that the other tasks reach
+       (`_cluster_address`). TensorFlow hard-codes a wildcard listen address, and its
+       servers run whatever graph a client sends, without authentication. Unless the library that rewrites
+       wildcard binds (`keras_dist/_bind_address.so`, built at install) is loaded already,
        the process restarts itself (same interpreter and command line, `sys.orig_argv`)
        with it in LD_PRELOAD. Code that runs before `import keras_dist` therefore runs
        twice, and child processes inherit the setting.
@@ -129,20 +131,57 @@ def prepare_server_process(environ):
     host, port = _split_address(address)
     if port is None:
         raise KerasDistError(f"TF_CONFIG gives {kind}:{index} the address {address!r}, which has no port; write it as host:port")
-    local = all(_loopback_ipv4(_split_address(a)[0]) for tasks in cluster.values() for a in tasks)
-    loopback = _loopback_ipv4(host) if local and environ.get(BIND_ALL_ENV) != "1" else None
+    hosts = [_split_address(a)[0] for tasks in cluster.values() for a in tasks]
+    if environ.get(BIND_ALL_ENV) == "1":
+        bind = None
+    elif all(_loopback_ipv4(h) for h in hosts):
+        bind = _loopback_ipv4(host)
+    else:
+        bind = _cluster_address(host, hosts)
     # Where the server will listen: TensorFlow's wildcard (dual-stack when the machine
-    # has IPv6), or the loopback address the library puts in its place.
-    listen_host = loopback or ("::" if socket.has_dualstack_ipv6() else "0.0.0.0")
+    # has IPv6), or the address the library puts in its place.
+    listen_host = bind or ("::" if socket.has_dualstack_ipv6() else "0.0.0.0")
     _check_port_free(listen_host, port, f"TF_CONFIG gives {kind}:{index} the address {address}")
-    if loopback:
-        _restart_with_loopback_binding(environ, loopback)
+    if bind and bind != _loopback_ipv4(host) and _resolves_to_loopback(host):
+        # This task reaches itself by its own name, which resolves to loopback here (Debian's
+        # 127.0.1.1), where nothing listens now: it names itself by its address instead.
+        cluster[kind][index] = f"{bind}:{port}"
+        environ["TF_CONFIG"] = json.dumps({**json.loads(environ["TF_CONFIG"]), "cluster": cluster})
+    if bind:
+        _restart_with_binding(environ, bind)
 
 
 def _split_address(address):
     """`(host, port)` from `host:port` or `[v6]:port`; the port is None when missing."""
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port) if port.isdigit() else None
+
+
+def _cluster_address(host, hosts):
+    """The address of this machine by which the cluster's other tasks reach `host` (None: unknown).
+
+    `host` resolved here, where that is one of this machine's own addresses; where it
+    resolves to loopback (Debian's 127.0.1.1 for the machine's own name), the address
+    that routes to another task's host.
+    """
+    if not _resolves_to_loopback(host):
+        try:
+            resolved = socket.gethostbyname(host)
+        except OSError:
+            return None
+        return resolved if network.interface_of(resolved) else None  # else not this machine's (NAT): keep TF's
+    for other in hosts:
+        address = network.reaching_address(other) if other != host else None
+        if address and not ipaddress.ip_address(address).is_loopback:
+            return address
+    return None
+
+
+def _resolves_to_loopback(host):
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except OSError:
+        return False
 
 
 def _loopback_ipv4(host):
@@ -217,10 +256,10 @@ def tcp_listeners():
     return listeners
 
 
-def _active_loopback_address():
+def _active_binding():
     """The address the preloaded library binds to, or None when it is not loaded or inactive."""
     try:
-        reader = ctypes.CDLL(None).keras_dist_bind_loopback_address
+        reader = ctypes.CDLL(None).keras_dist_bind_address
     except AttributeError:
         return None
     reader.restype = ctypes.c_char_p
@@ -228,7 +267,7 @@ def _active_loopback_address():
     return value.decode() if value else None
 
 
-def loopback_binding_env(environ, address):
+def binding_env(environ, address):
     """Variables that make a new process's TCP listeners bind to `address`, not all interfaces.
 
     `prepare_server_process` restarts a process with them. A launcher that starts a local
@@ -237,10 +276,10 @@ def loopback_binding_env(environ, address):
 
     Args:
         environ: the environment the new process inherits; its LD_PRELOAD entries are kept.
-        address: the IPv4 loopback address, e.g. `"127.0.0.1"`.
+        address: the IPv4 address to listen on, e.g. `"127.0.0.1"`.
 
     Returns:
-        `{"LD_PRELOAD": ..., "KERAS_DIST_BIND_LOOPBACK": address}`.
+        `{"LD_PRELOAD": ..., "KERAS_DIST_BIND_ADDRESS": address}`.
 
     Raises:
         KerasDistError: the library is missing (not Linux, or no C compiler at install).
@@ -248,7 +287,7 @@ def loopback_binding_env(environ, address):
     Example:
 
     ```python
-    Task("worker:0", argv, env={"TF_CONFIG": config, **loopback_binding_env(os.environ, "127.0.0.1")})
+    Task("worker:0", argv, env={"TF_CONFIG": config, **binding_env(os.environ, "127.0.0.1")})
     ```
     """
     if not BIND_LIBRARY.exists():
@@ -257,7 +296,7 @@ def loopback_binding_env(environ, address):
             f"reinstall keras_dist, {_OPT_OUT}"
         )
     others = [p for p in _preloaded(environ) if p != str(BIND_LIBRARY)]
-    return {"LD_PRELOAD": ":".join([str(BIND_LIBRARY), *others]), BIND_LOOPBACK_ENV: address}
+    return {"LD_PRELOAD": ":".join([str(BIND_LIBRARY), *others]), BIND_ADDRESS_ENV: address}
 
 
 _OPT_OUT = f"or set {BIND_ALL_ENV}=1 to let TensorFlow listen on all interfaces"
@@ -267,17 +306,17 @@ def _preloaded(environ):
     return [p for p in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
 
 
-def _restart_with_loopback_binding(environ, address):
-    if _active_loopback_address() == address:
+def _restart_with_binding(environ, address):
+    if _active_binding() == address:
         return
-    if environ.get(BIND_LOOPBACK_ENV) == address and str(BIND_LIBRARY) in _preloaded(environ):
+    if environ.get(BIND_ADDRESS_ENV) == address and str(BIND_LIBRARY) in _preloaded(environ):
         # Set up already (by a launcher or our own restart): the dynamic loader refused the library.
         raise KerasDistError(f"{BIND_LIBRARY} is in LD_PRELOAD but was not loaded (see the loader's message above); {_OPT_OUT}")
     if sys.argv[0] in ("", "-") or not sys.executable:
         raise KerasDistError(
             f"an interactive Python cannot restart itself to listen on {address} only; start it with "
-            f"LD_PRELOAD={BIND_LIBRARY} {BIND_LOOPBACK_ENV}={address}, {_OPT_OUT}"
+            f"LD_PRELOAD={BIND_LIBRARY} {BIND_ADDRESS_ENV}={address}, {_OPT_OUT}"
         )
-    env = {**environ, **loopback_binding_env(environ, address)}
+    env = {**environ, **binding_env(environ, address)}
     # Buffered output is dropped, not flushed: the new process prints it again.
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

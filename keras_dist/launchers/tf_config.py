@@ -6,7 +6,7 @@ import sys
 
 from keras_dist.launchers.base import Launcher, Task
 from keras_dist.launchers.processes import free_loopback_ports
-from keras_dist.tf_cluster import loopback_binding_env
+from keras_dist.tf_cluster import binding_env
 
 
 class TFConfigLauncher(Launcher):
@@ -22,7 +22,7 @@ class TFConfigLauncher(Launcher):
     def _tasks(self, num_workers, num_ps, argv):
         cluster = self._cluster(num_workers, num_ps)
         # TensorFlow's servers listen on loopback only; set up front, it spares each task a restart.
-        loopback = loopback_binding_env(os.environ, "127.0.0.1")
+        loopback = binding_env(os.environ, "127.0.0.1")
         return [
             Task(f"{kind}:{i}", [sys.executable, *argv], serves=kind in self.serving_kinds,
                  env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}}), **loopback})

@@ -5,7 +5,7 @@ import sys
 
 from keras_dist.launchers.base import Launcher, Task
 from keras_dist.launchers.processes import free_loopback_ports
-from keras_dist.tf_cluster import loopback_binding_env
+from keras_dist.tf_cluster import binding_env
 
 
 class TorchrunLauncher(Launcher):
@@ -20,7 +20,7 @@ class TorchrunLauncher(Launcher):
 
     def _tasks(self, num_workers, num_ps, argv):
         port = free_loopback_ports(1)[0]
-        loopback = loopback_binding_env(os.environ, "127.0.0.1")
+        loopback = binding_env(os.environ, "127.0.0.1")
         return [
             Task(f"rank:{i}", [sys.executable, *argv],
                  env={"RANK": str(i), "WORLD_SIZE": str(num_workers), "LOCAL_RANK": str(i),

@@ -15,16 +15,19 @@ Slurm's `srun`, or Keras's own `KERAS_DISTRIBUTION_*` variables), with `KERAS_BA
 """
 
 import contextlib
+import logging
 import os
 import pickle
 
 import keras
 import numpy as np
 
-from keras_dist import environments
+from keras_dist import environments, network
 from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override
+
+logger = logging.getLogger("keras_dist")
 
 # Set by `prepare_process`: JAX's process group must start before any JAX computation.
 _started = False
@@ -53,15 +56,46 @@ def _start_process_group(environ):
         # CPU processes need a collectives implementation; GPUs use NCCL whatever this says.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         host, port = coordinator.rsplit(":", 1)
-        local_only = host in ("127.0.0.1", "localhost")  # a local cluster listens on loopback only
+        address = network.choose_interface(environ, coordinator)
+        # The coordinator listens on the job's address only (a local cluster: loopback).
+        bind = "127.0.0.1" if network.names_loopback(host.strip("[]")) else address
+        if bind == address and address is not None and address != network.reaching_address(host.strip("[]")):
+            # This machine is the coordinator's, and its name resolves to loopback here (Debian's
+            # 127.0.1.1), where the coordinator does not listen: reach it by its address.
+            coordinator = f"{address}:{port}"
         try:
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
                                        process_id=environment.rank,
-                                       coordinator_bind_address=f"127.0.0.1:{port}" if local_only else None)
+                                       coordinator_bind_address=None if bind is None or environ.get("KERAS_DIST_BIND_ALL") == "1"
+                                       else f"{bind}:{port}")
         except RuntimeError as exc:
             raise KerasDistError(f"JAX's process group did not start ({str(exc).splitlines()[0]}); `import keras_dist` "
                                  "before any JAX computation, and check the coordinator address") from None
+        if address is not None:
+            _gloo_advertises(address)
     _started = True
+
+
+def _gloo_advertises(address):
+    """Makes JAX's gloo collectives advertise `address`, not what the host name resolves to.
+
+    JAX builds them with `make_gloo_tcp_collectives(distributed_client)` alone
+    (jax/_src/xla_bridge.py, `make_cpu_client`), so gloo falls back to the host name,
+    which Debian maps to 127.0.1.1, and no variable changes that. The function takes a
+    `hostname`; the CPU backend is registered again, before its first use, with it.
+    """
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def cpu_backend():
+        collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                                     hostname=address)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    try:
+        xla_bridge.register_backend_factory("cpu", cpu_backend, priority=0, fail_quietly=False)
+    except RuntimeError:  # the script used JAX before `import keras_dist`: gloo keeps its own choice
+        logger.warning("JAX's CPU backend started before keras_dist; gloo advertises the address of the host name")
 
 
 class JaxDataParallelStrategy(Strategy):

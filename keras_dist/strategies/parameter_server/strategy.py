@@ -69,8 +69,9 @@ class ParameterServerStrategy(Strategy):
 
     @classmethod
     def prepare_process(cls, environ) -> None:
-        cluster, kind, index = ps_cluster(environ)
+        ps_cluster(environ)  # its one-line errors first
         prepare_server_process(environ)
+        cluster, kind, index = ps_cluster(environ)  # as it may have rewritten TF_CONFIG
         if kind in SERVING_TASKS:
             serve(cluster, kind, index)
             sys.exit(0)

@@ -1,14 +1,16 @@
-/* Makes every TCP listener of a process bind to loopback instead of all interfaces.
+/* Makes every TCP listener of a process bind to one address instead of all interfaces.
  *
  * TensorFlow's gRPC server (MultiWorkerMirroredStrategy, tf.distribute.Server) hard-codes
- * a wildcard listen address and runs any graph a client sends, without authentication.
- * keras_dist preloads this library (LD_PRELOAD) into the processes of a cluster that lives
- * on this machine; see keras_dist/tf_cluster.py, which builds the environment below.
+ * a wildcard listen address and runs any graph a client sends, without authentication;
+ * torch's TCPStore listens on every interface too. keras_dist preloads this library
+ * (LD_PRELOAD) into a cluster's processes so they listen on the cluster's address only:
+ * loopback for a cluster on this machine, the address the other machines reach otherwise.
+ * See keras_dist/tf_cluster.py, which builds the environment below.
  *
  * Environment, read once when the library loads:
- *   KERAS_DIST_BIND_LOOPBACK  IPv4 loopback address that replaces a wildcard (e.g. 127.0.0.1);
- *                             unset or not an IPv4 address: the library changes nothing.
- *   KERAS_DIST_BIND_ALL       set to 1: the library changes nothing (the user's opt-out).
+ *   KERAS_DIST_BIND_ADDRESS  IPv4 address that replaces a wildcard (e.g. 127.0.0.1);
+ *                            unset or not an IPv4 address: the library changes nothing.
+ *   KERAS_DIST_BIND_ALL      set to 1: the library changes nothing (the user's opt-out).
  *
  * A stream socket's bind to 0.0.0.0 goes to that address; a bind to [::] goes to its
  * IPv4-mapped form on a dual-stack socket (IPv4 clients still connect, as they would to
@@ -26,19 +28,19 @@
 
 typedef int (*bind_function)(int, const struct sockaddr *, socklen_t);
 
-static struct in_addr loopback_v4;
+static struct in_addr bound_v4;
 static char active_text[INET_ADDRSTRLEN];
 /* NULL while inactive. keras_dist reads it to learn that the library is loaded and which
  * address it applies. */
 static const char *active_address;
 
-const char *keras_dist_bind_loopback_address(void) { return active_address; }
+const char *keras_dist_bind_address(void) { return active_address; }
 
 __attribute__((constructor)) static void load_settings(void) {
-    const char *address = getenv("KERAS_DIST_BIND_LOOPBACK");
+    const char *address = getenv("KERAS_DIST_BIND_ADDRESS");
     const char *bind_all = getenv("KERAS_DIST_BIND_ALL");
-    if (address && inet_pton(AF_INET, address, &loopback_v4) == 1 && !(bind_all && strcmp(bind_all, "1") == 0))
-        active_address = inet_ntop(AF_INET, &loopback_v4, active_text, sizeof active_text);
+    if (address && inet_pton(AF_INET, address, &bound_v4) == 1 && !(bind_all && strcmp(bind_all, "1") == 0))
+        active_address = inet_ntop(AF_INET, &bound_v4, active_text, sizeof active_text);
 }
 
 static int next_bind(int fd, const struct sockaddr *address, socklen_t length) {
@@ -62,7 +64,7 @@ int bind(int fd, const struct sockaddr *address, socklen_t length) {
         struct sockaddr_in v4;
         memcpy(&v4, address, sizeof v4);
         if (v4.sin_addr.s_addr == htonl(INADDR_ANY)) {
-            v4.sin_addr = loopback_v4;
+            v4.sin_addr = bound_v4;
             return next_bind(fd, (const struct sockaddr *)&v4, sizeof v4);
         }
     } else if (address->sa_family == AF_INET6 && length >= sizeof(struct sockaddr_in6)) {
@@ -77,7 +79,7 @@ int bind(int fd, const struct sockaddr *address, socklen_t length) {
             } else {  /* ::ffff:a.b.c.d */
                 memset(v6.sin6_addr.s6_addr, 0, 10);
                 memset(v6.sin6_addr.s6_addr + 10, 0xff, 2);
-                memcpy(v6.sin6_addr.s6_addr + 12, &loopback_v4, 4);
+                memcpy(v6.sin6_addr.s6_addr + 12, &bound_v4, 4);
             }
             return next_bind(fd, (const struct sockaddr *)&v6, sizeof v6);
         }

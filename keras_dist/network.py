@@ -1,0 +1,111 @@
+"""The local address and interface that reach the job: one choice for every engine.
+
+Gloo (PyTorch, JAX, Horovod on CPUs) advertises to its peers the address this machine's
+host name resolves to. Debian's and Ubuntu's installers map the host name to 127.0.1.1,
+so across machines every peer is told to connect to its own loopback: torch's rank 0
+then waits forever, JAX and Horovod fail after minutes. Where the user has chosen no
+interface, keras_dist picks the one this machine sends from to reach the job's
+coordinator, before any engine starts (`choose_interface`, called at `import
+keras_dist`), and tells each engine: `GLOO_SOCKET_IFNAME` (torch), `HOROVOD_GLOO_IFACE`
+(Horovod), `NCCL_SOCKET_IFNAME` (NCCL), and the address itself to JAX, which has no
+variable for it (`keras_dist.keras_workarounds.jax_gloo_address`). The same address is
+where a multi-machine job's servers listen (`keras_dist.tf_cluster`).
+"""
+
+import fcntl
+import ipaddress
+import logging
+import socket
+import struct
+
+logger = logging.getLogger("keras_dist")
+
+# Variables with which a user (or a launcher) has already chosen the interface.
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME")
+# TEST-NET-1 (RFC 5737): never routed anywhere, so a route to it is the default route.
+_ANY_REMOTE = "192.0.2.1"
+_SIOCGIFADDR = 0x8915
+
+
+def reaching_address(host: str) -> str | None:
+    """The IPv4 address this machine sends from to reach `host` (None: unresolvable or no route).
+
+    A UDP socket's `connect` only looks the route up; no packet is sent.
+    """
+    try:
+        target = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    except (socket.gaierror, IndexError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((target, 9))
+        except OSError:
+            return None
+        return probe.getsockname()[0]
+
+
+def names_loopback(host: str) -> bool:
+    """Whether `host` is written as this machine's loopback (`localhost`, 127.x): a one-machine job."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def job_address(coordinator_host: str) -> str | None:
+    """The address this process's peers reach it by, in a job whose coordinator is `coordinator_host`.
+
+    The route to the coordinator, except where the coordinator's name resolves to this
+    machine's loopback although it is a name other machines use (the coordinator's own
+    machine, under Debian's 127.0.1.1): then the default route's. None where neither
+    exists (with a warning that names the variable to set).
+    """
+    address = reaching_address(coordinator_host)
+    if address is not None and ipaddress.ip_address(address).is_loopback and not names_loopback(coordinator_host):
+        address = reaching_address(_ANY_REMOTE)
+        if address is None:
+            logger.warning("%s names this machine's loopback and there is no default route, so keras_dist cannot "
+                           "tell which interface other machines reach; set GLOO_SOCKET_IFNAME", coordinator_host)
+    return address
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface that holds the IPv4 `address` (None: none does)."""
+    return next((name for _, name in socket.if_nameindex() if _address_of(name) == address), None)
+
+
+def choose_interface(environ, coordinator: str | None) -> str | None:
+    """Sets the engines' interface variables to the one that reaches `coordinator` (`host:port`).
+
+    Leaves everything alone where the user chose an interface already (any of
+    `INTERFACE_VARIABLES`) or no coordinator is known.
+
+    Returns:
+        The chosen address, or the address of the interface the user named; None where
+        nothing is known.
+    """
+    chosen = next((environ[v].lstrip("=") for v in INTERFACE_VARIABLES if environ.get(v)), None)
+    if chosen is not None:
+        return _address_of(chosen.split(",")[0])
+    if coordinator is None:
+        return None
+    address = job_address(coordinator.rsplit(":", 1)[0].strip("[]"))
+    interface = interface_of(address) if address else None
+    if interface is None:
+        return None
+    environ["GLOO_SOCKET_IFNAME"] = environ["HOROVOD_GLOO_IFACE"] = interface
+    environ["NCCL_SOCKET_IFNAME"] = f"={interface}"  # NCCL matches prefixes unless told otherwise
+    logger.debug("job traffic on %s (%s), which reaches %s", interface, address, coordinator)
+    return address
+
+
+def _address_of(interface: str) -> str | None:
+    """The IPv4 address of `interface` (None: it has none, or does not exist)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            request = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", interface[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(request[20:24])

@@ -1,0 +1,253 @@
+"""Several machines on one machine: simulated hosts for multi-host tests and benchmarks.
+
+Each host is a Linux network namespace with its own address on a bridge that lives in a
+namespace of its own (so no traffic reaches this machine's interfaces), its own host name
+(a UTS namespace per process), its own `/etc/hosts` (`ip netns exec` mounts
+`/etc/netns/NAME/hosts` over it), a second interface whose address must never show a
+listener, and optionally its own `/tmp` (a mount namespace: no shared disk), a rate limit
+on its link, and a CPU core. `loopback_names=True` writes each host's own name as
+127.0.1.1, as Debian's and Ubuntu's installers do.
+
+Needs root and iproute2 (`ip`, `tc`), as CI and development machines here have.
+`bench/` imports it too (`sys.path` gets `tests/`).
+
+    with HostBed(2) as bed:
+        a, b = bed.hosts
+        process = bed.start(a, ["python", "-c", "import socket; print(socket.gethostname())"])
+        process.wait()
+        print(bed.output(process))
+"""
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# Namespace names: kdbed<pid>x<n>-<host index>, "br" for the bridge.
+_PREFIX = "kdbed"
+_beds = itertools.count()
+
+
+class HostBedError(RuntimeError):
+    """The test bed cannot be made here (not root, no iproute2, no namespaces)."""
+
+
+@dataclass
+class Host:
+    """One simulated machine."""
+
+    name: str  # its host name
+    namespace: str  # its network namespace
+    address: str  # on the bridge: how the other hosts reach it
+    extra_address: str  # on a second interface, which the job must not listen on
+    link: str  # the bridge side of its link (rate limits, cuts)
+    tmp: Path | None  # what it sees as /tmp, when it has its own
+    core: int | None  # the CPU it runs on, when pinned
+
+
+class HostBed:
+    """N simulated hosts, created on entry and torn down (every process killed) on exit.
+
+    Args:
+        count: the number of hosts.
+        loopback_names: each host resolves its own name to 127.0.1.1 (Debian's default).
+        own_tmp: each host gets a /tmp of its own (no shared disk).
+        rate: a `tc tbf` rate for every link (e.g. "200mbit"); None: unlimited.
+        pin: run each host's processes on one core (host i on core i mod the cores).
+    """
+
+    def __init__(self, count: int, loopback_names: bool = False, own_tmp: bool = False, rate: str | None = None,
+                 pin: bool = False):
+        self.count, self.loopback_names, self.own_tmp, self.rate, self.pin = count, loopback_names, own_tmp, rate, pin
+        self.tag = f"{_PREFIX}{os.getpid()}x{next(_beds)}"
+        self.bridge = f"{self.tag}-br"
+        self.hosts: list[Host] = []
+        self.processes: list[subprocess.Popen] = []
+        self.root = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
+
+    # --- set-up and teardown ----------------------------------------------------
+    def __enter__(self) -> "HostBed":
+        if os.geteuid() != 0:
+            raise HostBedError("the multi-host test bed needs root (network namespaces); run the tests as root")
+        if not shutil.which("ip") or not shutil.which("tc"):
+            raise HostBedError("the multi-host test bed needs iproute2 (ip, tc); apt-get install -y iproute2")
+        remove_stale_beds()
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        _ip("netns", "add", self.bridge)
+        _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.bridge, "link", "set", "br0", "up")
+        cores = os.cpu_count() or 1
+        for i in range(self.count):
+            namespace = f"{self.tag}-{i}"
+            host = Host(name=f"node{i}", namespace=namespace, address=f"10.213.0.{i + 1}",
+                        extra_address=f"10.214.{i}.1", link=f"h{i}", tmp=self.root / f"node{i}-tmp" if self.own_tmp else None,
+                        core=i % cores if self.pin else None)
+            _ip("netns", "add", namespace)
+            # The host's end is made in the bridge namespace, then moved, so the root namespace never holds it.
+            _ip("-n", self.bridge, "link", "add", "eth0", "type", "veth", "peer", "name", host.link)
+            _ip("-n", self.bridge, "link", "set", "eth0", "netns", namespace)
+            _ip("-n", self.bridge, "link", "set", host.link, "master", "br0", "up")
+            _ip("-n", namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _ip("-n", namespace, "link", "set", "eth0", "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+            # A second network (a veth pair inside the host: this kernel has no dummy devices).
+            _ip("-n", namespace, "link", "add", "eth1", "type", "veth", "peer", "name", "eth1p")
+            _ip("-n", namespace, "addr", "add", f"{host.extra_address}/24", "dev", "eth1")
+            _ip("-n", namespace, "link", "set", "eth1", "up")
+            _ip("-n", namespace, "link", "set", "eth1p", "up")
+            # As on a real machine, the default route leaves through the main interface.
+            _ip("-n", namespace, "route", "add", "default", "dev", "eth0")
+            if self.rate:
+                for ns, device in ((self.bridge, host.link), (namespace, "eth0")):
+                    subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", device, "root", "tbf", "rate", self.rate,
+                                    "burst", "256kb", "latency", "200ms"], check=True, capture_output=True)
+            if host.tmp:
+                host.tmp.mkdir(mode=0o1777)
+            self.hosts.append(host)
+        for host in self.hosts:
+            self._write_hosts_file(host)
+
+    def _write_hosts_file(self, host: Host) -> None:
+        lines = ["127.0.0.1 localhost"]
+        for other in self.hosts:
+            own = other is host
+            lines.append(f"{'127.0.1.1' if own and self.loopback_names else other.address} {other.name}")
+        directory = Path("/etc/netns") / host.namespace
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "hosts").write_text("\n".join(lines) + "\n")
+
+    def close(self) -> None:
+        """Kills every process of every host, then removes the namespaces and files."""
+        for host in self.hosts:
+            self.kill(host)
+        for process in self.processes:
+            if process.poll() is None:
+                _kill_group(process.pid, signal.SIGKILL)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for host in self.hosts:
+            subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / host.namespace, ignore_errors=True)
+        subprocess.run(["ip", "netns", "del", self.bridge], capture_output=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.hosts = []
+
+    # --- running processes ------------------------------------------------------
+    def command(self, host: Host, argv: list) -> list[str]:
+        """`argv` as a command that runs on `host`: its network, name, /etc/hosts, /tmp and core."""
+        setup = 'hostname "$0"'
+        if host.tmp:
+            setup += ' && mount --bind "$1" /tmp'
+        wrapped = ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "--mount", "--propagation", "private",
+                   "sh", "-c", setup + ' && shift && exec "$@"', host.name, str(host.tmp or "-")]
+        if host.core is not None:
+            wrapped += ["taskset", "-c", str(host.core)]
+        return wrapped + [str(a) for a in argv]
+
+    def start(self, host: Host, argv: list, env: dict | None = None, cwd=None) -> subprocess.Popen:
+        """Starts `argv` on `host` in a session of its own; its output goes to `self.log(process)`.
+
+        A file, not a pipe: nobody reads while the job runs, and a full pipe would stall it.
+        """
+        log = open(self.root / f"{host.name}-{len(self.processes)}.log", "w")
+        process = subprocess.Popen(self.command(host, argv), env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        process.log_path = log.name
+        log.close()
+        self.processes.append(process)
+        return process
+
+    @staticmethod
+    def output(process: subprocess.Popen) -> str:
+        """What a process `start` started has written so far."""
+        with open(process.log_path, errors="replace") as f:
+            return f.read()
+
+    def run(self, host: Host, argv: list, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+        """Runs a short command on `host` and waits for it."""
+        return subprocess.run(self.command(host, argv), env=env, capture_output=True, text=True, timeout=timeout)
+
+    def pids(self, host: Host) -> list[int]:
+        """Every process running on `host` (in its network namespace)."""
+        listed = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True).stdout
+        return [int(p) for p in listed.split()]
+
+    def signal(self, host: Host, signum: int) -> None:
+        """Sends `signum` to every process on `host`."""
+        for pid in self.pids(host):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self, host: Host) -> None:
+        """The host is lost: every process on it dies at once."""
+        self.signal(host, signal.SIGKILL)
+
+    def cut(self, host: Host) -> None:
+        """Unplugs the host's cable: its link goes down, its processes keep running."""
+        _ip("-n", self.bridge, "link", "set", host.link, "down")
+
+    def listeners(self, host: Host) -> list[tuple[str, int]]:
+        """(address, port) of every TCP socket listening on `host`."""
+        out = subprocess.run(["ip", "netns", "exec", host.namespace, "ss", "-Hltn"], capture_output=True,
+                             text=True, check=True).stdout
+        found = []
+        for line in out.splitlines():
+            local = line.split()[3]
+            address, _, port = local.rpartition(":")
+            found.append((address.strip("[]"), int(port)))
+        return found
+
+
+def remove_stale_beds() -> None:
+    """Removes the namespaces of beds whose test process died without tearing them down."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    for namespace in (line.split()[0] for line in listed if line.startswith(_PREFIX)):
+        owner = int(namespace[len(_PREFIX):].split("x")[0])
+        if owner == os.getpid() or _alive(owner):
+            continue
+        for pid in subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+        shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if result.returncode:
+        raise HostBedError(f"'ip {' '.join(args)}' failed: {result.stderr.strip()}")
