@@ -20,9 +20,11 @@ Needs root and iproute2 (`ip`, `tc`), as CI and development machines here have.
 
 import itertools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +70,9 @@ class HostBed:
         self.hosts: list[Host] = []
         self.processes: list[subprocess.Popen] = []
         self.root = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
+        # This checkout and the Python running it, where they lie under /tmp (a fresh clone).
+        self.keep = sorted({p for p in (Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve())
+                            if p.is_relative_to("/tmp")})
 
     # --- set-up and teardown ----------------------------------------------------
     def __enter__(self) -> "HostBed":
@@ -153,7 +158,11 @@ class HostBed:
         """`argv` as a command that runs on `host`: its network, name, /etc/hosts, /tmp and core."""
         setup = 'hostname "$0"'
         if host.tmp:
-            setup += ' && mount --bind "$1" /tmp'
+            # Paths under /tmp every host needs (a checkout and its venv there) stay visible.
+            for path in self.keep:
+                inside = host.tmp / path.relative_to("/tmp")
+                setup += f" && mkdir -p {shlex.quote(str(inside))} && mount --bind {shlex.quote(str(path))} {shlex.quote(str(inside))}"
+            setup += ' && mount --rbind "$1" /tmp'
         wrapped = ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "--mount", "--propagation", "private",
                    "sh", "-c", setup + ' && shift && exec "$@"', host.name, str(host.tmp or "-")]
         if host.core is not None:
