@@ -23,9 +23,9 @@ import keras
 import numpy as np
 from keras import ops
 
-import keras_dist
+import keras_dist  # noqa: F401  (its start-up effects, as in a script)
 from keras_dist import environments
-from pattern_runner import run_patterns
+from pattern_runner import compile_for, data_of, run_patterns
 
 OUT_DIR, MODE, NAMES = sys.argv[1], sys.argv[2], sys.argv[3:]
 GLOBAL_BATCH = 16
@@ -37,20 +37,11 @@ BATCH = GLOBAL_BATCH // (JOB.size if JOB else 1)
 BACKEND = keras.backend.backend()
 
 
-def compile(model, **kwargs):
-    """The one line the two-line change touches."""
-    if MODE == "plain":
-        model.compile(**kwargs)
-    else:
-        keras_dist.compile(model, **kwargs)
+compile = compile_for(MODE)  # the one line the two-line change touches
 
 
-def data(count=70, seed=0):
-    """Inputs and integer labels; 70 samples leave an uneven last batch at every batch size used."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(count, 6)).astype("float32")
-    y = np.argmax(x[:, :3] + 0.5 * x[:, 3:], axis=1).astype("int32")
-    return x, y
+# 70 samples leave an uneven last batch at every batch size used.
+data = data_of(70)
 
 
 def mlp():

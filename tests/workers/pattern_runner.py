@@ -1,10 +1,37 @@
-"""Runs the named patterns of a pattern worker and pickles each result (shared by
-published_patterns.py and keras_guides.py; imports no framework)."""
+"""What the pattern workers share (published_patterns.py and keras_guides.py): the one
+line a script changes, their data, and running the named patterns (imports no framework)."""
 
 import os
 import pickle
 
+import numpy as np
+
 import keras_dist
+
+
+def compile_for(mode):
+    """The one line the two-line change touches: `model.compile` in a plain run, else `keras_dist.compile`."""
+    def compile(model, **kwargs):
+        if mode == "plain":
+            model.compile(**kwargs)
+        else:
+            keras_dist.compile(model, **kwargs)
+    return compile
+
+
+def classification_data(count, seed=0):
+    """`count` inputs of 6 features and their integer labels (3 classes)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(count, 6)).astype("float32")
+    y = np.argmax(x[:, :3] + 0.5 * x[:, 3:], axis=1).astype("int32")
+    return x, y
+
+
+def data_of(default_count):
+    """`classification_data` with a worker's own default sample count."""
+    def data(count=default_count, seed=0):
+        return classification_data(count, seed)
+    return data
 
 
 def run_patterns(namespace, names, out_dir, rank):

@@ -23,7 +23,7 @@ import tensorflow as tf
 from keras import ops
 
 import keras_dist
-from pattern_runner import run_patterns
+from pattern_runner import compile_for, data_of, run_patterns
 
 OUT_DIR, MODE, NAMES = sys.argv[1], sys.argv[2], sys.argv[3:]
 GLOBAL_BATCH = 32
@@ -33,19 +33,10 @@ BATCH = GLOBAL_BATCH // (ctx.num_replicas if ctx else 1)
 CHIEF = RANK == 0
 
 
-def compile(model, **kwargs):
-    """The one line the two-line change touches."""
-    if MODE == "plain":
-        model.compile(**kwargs)
-    else:
-        keras_dist.compile(model, **kwargs)
+compile = compile_for(MODE)  # the one line the two-line change touches
 
 
-def data(count=96, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(count, 6)).astype("float32")
-    y = np.argmax(x[:, :3] + 0.5 * x[:, 3:], axis=1).astype("int32")
-    return x, y
+data = data_of(96)
 
 
 def seeded(seed=100):
