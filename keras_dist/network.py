@@ -8,7 +8,7 @@ interface, keras_dist picks the one this machine sends from to reach the job's
 coordinator, before any engine starts (`choose_interface`, called at `import
 keras_dist`), and tells each engine: `GLOO_SOCKET_IFNAME` (torch), `HOROVOD_GLOO_IFACE`
 (Horovod), `NCCL_SOCKET_IFNAME` (NCCL), and the address itself to JAX, which has no
-variable for it (`keras_dist.keras_workarounds.jax_gloo_address`). The same address is
+variable for it (`keras_dist.strategies.jax_data_parallel._gloo_advertises`). The same address is
 where a multi-machine job's servers listen (`keras_dist.tf_cluster`).
 """
 
