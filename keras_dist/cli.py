@@ -1,6 +1,7 @@
-"""The `keras-dist` command: `launch` a script as a local cluster, or show `info`."""
+"""The `keras-dist` command: `launch` a script on this machine or several, or show `info`."""
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -18,12 +19,39 @@ def _launch(args):
         raise KerasDistError(f"script {args.script!r} not found; give the path of a Python file")
     if os.environ.get(strategies.ENV_VAR):
         strategies.strategy_class(os.environ[strategies.ENV_VAR])  # a bad name stops here, in one line
-    from keras_dist.launchers.processes import run_tasks
+    if args.max_restarts < 0:
+        raise KerasDistError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    from keras_dist.launchers.nodes import Nodes, serve_directory
+    from keras_dist.launchers.processes import RESTART, run_tasks
 
     # Keras on JAX or PyTorch trains with the backend of that name; on TensorFlow, Horovod is the default.
     keras_backend = strategies.keras_backend(os.environ)
     args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
-    return run_tasks(strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args]))
+    nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes > 1 else None
+    directory = serve_directory(nodes) if nodes and nodes.rank == 0 and _uses_directory(args.backend) else None
+    try:
+        for attempt in range(args.max_restarts + 1):
+            tasks = strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args],
+                                             dataclasses.replace(nodes, attempt=attempt) if nodes else None)
+            for task in tasks:
+                task.env[RESTART] = str(attempt)
+            code = run_tasks(tasks)
+            if code in (0, *INTERRUPTED) or attempt == args.max_restarts:
+                return code
+            print(f"[keras-dist] the job failed (exit {code}); restart {attempt + 1} of {args.max_restarts}",
+                  flush=True)
+    finally:
+        if directory is not None:
+            directory.shutdown()
+
+
+# Exit codes of a launcher stopped by Ctrl-C or SIGTERM: not restarted.
+INTERRUPTED = (130, 143)
+
+
+def _uses_directory(backend):
+    """Whether the backend's machines must learn each other's addresses (TF_CONFIG), not just the master's."""
+    return strategies.strategy_class(backend).launcher.startswith("tf_config")
 
 
 def _info(args):
@@ -67,11 +95,18 @@ def _info(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="keras-dist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    launch = commands.add_parser("launch", help="run a script as a local cluster on this machine")
+    launch = commands.add_parser("launch", help="run a script as processes on this machine, or on several with --nnodes")
     launch.add_argument("--backend", choices=[n for n in strategies.REGISTRY if n != "single"],
                         help="default: jax or torch where Keras runs on JAX or PyTorch, else horovod")
-    launch.add_argument("-n", "--num-workers", type=int, default=2)
-    launch.add_argument("--ps", type=int, default=0, help="parameter-server tasks (parameter_server backend)")
+    launch.add_argument("-n", "--num-workers", type=int, default=2, help="training processes on this machine")
+    launch.add_argument("--ps", type=int, default=0,
+                        help="parameter-server tasks on this machine (parameter_server backend)")
+    launch.add_argument("--nnodes", type=int, default=1, help="machines in the job; run the same command on each")
+    launch.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the master")
+    launch.add_argument("--master-addr", help="HOST[:PORT] of machine 0 as every machine reaches it "
+                                              "(default port 29400)")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the job this many times after a task fails; fit resumes from BackupAndRestore")
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
     info = commands.add_parser("info", help="what keras_dist detects in this process")

@@ -54,6 +54,20 @@ def names_loopback(host: str) -> bool:
         return False
 
 
+def answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether something accepts TCP connections at `address` ("host:port", "[v6]:port").
+
+    A frozen process still answers (the kernel accepts for it); a dead one, a machine
+    that is off or cut off, does not.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def job_address(coordinator_host: str) -> str | None:
     """The address this process's peers reach it by, in a job whose coordinator is `coordinator_host`.
 

@@ -105,7 +105,12 @@ def prepare_server_process(environ):
        wildcard binds (`keras_dist/_bind_address.so`, built at install) is loaded already,
        the process restarts itself (same interpreter and command line, `sys.orig_argv`)
        with it in LD_PRELOAD. Code that runs before `import keras_dist` therefore runs
-       twice, and child processes inherit the setting.
+       twice, and child processes inherit the setting;
+    3. on a machine of one core (a 1-vCPU VM, a process pinned to one core), gives
+       TensorFlow's inter-op pool 2 threads instead of the 1 it would size: with one, a
+       parameter-server worker's step waited forever on its own reads from the ps tasks
+       (seen on simulated hosts pinned to one core each). `TF_NUM_INTEROP_THREADS` set
+       by the user wins.
 
     Set KERAS_DIST_BIND_ALL=1 to keep TensorFlow's listeners on all interfaces (for
     instance to reach a local cluster from another machine); the port check still runs.
@@ -127,6 +132,8 @@ def prepare_server_process(environ):
     ```
     """
     cluster, kind, index = parse_tf_config(environ["TF_CONFIG"])
+    if len(os.sched_getaffinity(0)) < 2:
+        environ.setdefault("TF_NUM_INTEROP_THREADS", "2")
     address = cluster[kind][index]
     host, port = _split_address(address)
     if port is None:

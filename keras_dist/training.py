@@ -13,6 +13,8 @@ otherwise batch logs (the progress bar's running values) are this worker's.
 
 import contextlib
 import inspect
+import logging
+import os
 import warnings
 
 import keras
@@ -24,7 +26,11 @@ from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck
 from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
+from keras_dist.launchers.processes import RESTART
 from keras_dist.overrides import override, set_while
+
+logger = logging.getLogger("keras_dist")
+
 
 class DistributedTraining:
     """The per-model state behind the wrapped methods."""
@@ -61,6 +67,10 @@ class DistributedTraining:
         arguments = self._worker_args(self.keras_fit, args, kwargs)
         if self.backend.reduces_in_keras_dist:
             self._choose_batch_logs(arguments["callbacks"])
+        if os.environ.get(RESTART, "0") != "0" and self.backend.is_chief and not any(
+                isinstance(c, keras.callbacks.BackupAndRestore) for c in arguments["callbacks"]):
+            logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
+                           "so training starts over; add one to resume where the job failed", os.environ[RESTART])
         data, validation = inputs.fit(self.backend, _read(arguments, "steps_per_epoch"), arguments["validation_data"],
                                       arguments["validation_split"], arguments["validation_batch_size"],
                                       arguments["validation_steps"])

@@ -86,6 +86,13 @@ def test_arrays_are_interleaved_and_padded_only_for_training():
     (["launch", "-n", "0", "x.py"], "-n must be at least 1"),
     (["launch", "-n", "2", "missing.py"], "script 'missing.py' not found"),
     (["launch", "--backend", "horovod", "--ps", "1", "-n", "2", "examples/train.py"], "starts no parameter servers; drop --ps"),
+    (["launch", "--nnodes", "2", "examples/train.py"], "--nnodes needs --master-addr HOST[:PORT]"),
+    (["launch", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "examples/train.py"],
+     "--node-rank must be from 0 to 1"),
+    (["launch", "--nnodes", "2", "--master-addr", "h:port", "examples/train.py"], "the port must be a number"),
+    (["launch", "--backend", "horovod", "--nnodes", "2", "--master-addr", "127.0.0.1", "examples/train.py"],
+     "does not start Horovod; across machines run `horovodrun"),
+    (["launch", "--max-restarts", "-1", "examples/train.py"], "--max-restarts must be 0 or more"),
 ])
 def test_launcher_bad_input_is_a_one_line_error(args, message):
     code, out = run([BIN / "keras-dist", *args], timeout=60, cwd=ROOT)
@@ -106,6 +113,22 @@ def test_launch_fails_fast_when_one_task_dies(tmp_path):
     code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=90)
     assert code != 0
     assert "exited with" in out
+
+
+def test_max_restarts_restarts_a_failed_job_and_says_when_fit_starts_over(tmp_path):
+    script = tmp_path / "fails_once.py"
+    script.write_text("import os, sys\n"
+                      "import keras, numpy as np, keras_dist\n"
+                      "ctx = keras_dist.init()\n"
+                      "if os.environ['KERAS_DIST_RESTART'] == '0' and ctx.rank == 1: sys.exit(7)\n"
+                      "model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+                      "keras_dist.compile(model, optimizer='sgd', loss='mse')\n"
+                      "model.fit(np.ones((8, 2)), np.ones((8, 1)), epochs=1, verbose=0)\n")
+    code, out = run([BIN / "keras-dist", "launch", "--backend", "torch", "-n", 2, "--max-restarts", 2, script],
+                    timeout=240)
+    assert code == 0, out[-3000:]
+    assert out.count("restart 1 of 2") == 1 and "restart 2 of 2" not in out
+    assert "this is restart 1 of the job and fit has no keras.callbacks.BackupAndRestore, so training starts over" in out
 
 
 def test_backend_options_are_checked():

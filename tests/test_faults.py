@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import BIN, QUIET_ENV, WORKERS, run
-from keras_dist.launchers.processes import free_loopback_ports, kill_process_groups
+from keras_dist.launchers.processes import free_ports, kill_process_groups
 
 pytestmark = pytest.mark.timeout(300)
 FAULTS = WORKERS / "faults.py"
@@ -182,7 +182,7 @@ def test_a_local_job_listens_on_loopback_only(tmp_path, backend):
 
 
 def test_the_cli_never_becomes_a_worker_with_a_stale_tf_config(tmp_path):
-    ports = free_loopback_ports(2)
+    ports = free_ports(2)
     stale = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": 0}})
     code, out = run([BIN / "keras-dist", "info"], timeout=120, env={"TF_CONFIG": stale})
     assert code == 0 and '"backend": "multi_worker_mirrored"' in out, out[-2000:]

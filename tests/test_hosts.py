@@ -4,16 +4,19 @@ The hosts name themselves 127.0.1.1, as Debian's and Ubuntu's installers write
 /etc/hosts, the case where gloo advertised loopback to its peers (torch's rank 0 hung,
 JAX and Horovod failed) and a TensorFlow task could not reach itself once it listened on
 the cluster's address only. Each host has its own /tmp (no shared disk) and a second
-interface, on which nothing may listen.
+interface, on which nothing may listen. Also: parameter servers on three hosts (a frozen
+worker host, servers that end with the chief), and `keras-dist launch --nnodes` with
+`--max-restarts` after a killed rank.
 """
 
 import json
 import os
+import signal
 import time
 
 import pytest
 
-from conftest import PYTHON, QUIET_ENV, WORKERS, run
+from conftest import BIN, PYTHON, QUIET_ENV, WORKERS, run
 from hostbed import HostBed, HostBedError
 from test_keras_backends import assert_same_training
 
@@ -22,44 +25,67 @@ WORKER = WORKERS / "any_backend_worker.py"
 OUT = "/tmp/out"  # on each host's own /tmp
 
 
-@pytest.fixture
-def debian_hosts():
-    """Two hosts whose own names resolve to 127.0.1.1; fails in one line where it cannot be made."""
+def hosts(count):
+    """`count` hosts whose own names resolve to 127.0.1.1; fails in one line where they cannot be made."""
     try:
-        with HostBed(2, loopback_names=True, own_tmp=True, pin=True) as bed:
+        with HostBed(count, loopback_names=True, own_tmp=True, pin=True) as bed:
             yield bed
     except HostBedError as exc:
         pytest.fail(str(exc), pytrace=False)
 
 
-def reference(tmp_path, keras_backend):
+@pytest.fixture
+def debian_hosts():
+    yield from hosts(2)
+
+
+@pytest.fixture
+def three_hosts():
+    yield from hosts(3)
+
+
+def reference(tmp_path, keras_backend, *options):
     """One plain process at the global batch (16), on this machine."""
-    code, output = run([PYTHON, WORKER, tmp_path, "--batch", 16, "--adam"], 300, env={"KERAS_BACKEND": keras_backend})
+    code, output = run([PYTHON, WORKER, tmp_path, "--batch", 16, "--adam", *options], 300,
+                       env={"KERAS_BACKEND": keras_backend})
     assert code == 0, output[-3000:]
     with open(tmp_path / "result-0.json") as f:
         return json.load(f)
 
 
-def launch_on_hosts(bed, commands, envs, timeout=240):
-    """Starts commands[i] on host i; returns (outputs, every listener seen while they ran)."""
+def start_on_hosts(bed, commands, envs):
+    """Starts commands[i] on host i, each in its own /tmp/out; returns their processes."""
     base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    processes = [bed.start(host, ["sh", "-c", f'mkdir -p {OUT} && exec "$@"', "sh", *command],
-                           env={**base, **QUIET_ENV, **env})
-                 for host, command, env in zip(bed.hosts, commands, envs)]
+    return [bed.start(host, ["sh", "-c", f'mkdir -p {OUT} && exec "$@"', "sh", *command], env={**base, **QUIET_ENV, **env})
+            for host, command, env in zip(bed.hosts, commands, envs)]
+
+
+def wait_for_the_end(bed, processes, timeout, frozen=()):
+    """Waits until every process but `frozen` ones has ended; returns (when each ended, listeners seen)."""
     deadline = time.monotonic() + timeout
-    listeners = set()
-    while any(p.poll() is None for p in processes):
+    ended, listeners = {}, set()
+    while len(ended) < len(processes) - len(frozen):
         if time.monotonic() > deadline:
             tails = "\n".join(bed.output(p)[-2000:] for p in processes)
             bed.close()
             pytest.fail(f"the job did not end in {timeout} s; output tails:\n{tails}")
         for host in bed.hosts:
             listeners |= {(host.name, address) for address, _ in bed.listeners(host)}
+        for i, process in enumerate(processes):
+            if i not in ended and process not in frozen and process.poll() is not None:
+                ended[i] = time.monotonic()
         time.sleep(0.3)
+    return ended, listeners
+
+
+def launch_on_hosts(bed, commands, envs, timeout=240):
+    """Starts commands[i] on host i; returns (outputs, when each ended, every listener seen while they ran)."""
+    processes = start_on_hosts(bed, commands, envs)
+    ended, listeners = wait_for_the_end(bed, processes, timeout)
     outputs = [bed.output(p) for p in processes]
     for host, process, output in zip(bed.hosts, processes, outputs):
         assert process.returncode == 0, f"{host.name}:\n{output[-4000:]}"
-    return outputs, listeners
+    return outputs, ended, listeners
 
 
 def results(bed):
@@ -92,7 +118,7 @@ def test_gloo_across_hosts_named_on_loopback_matches_one_process_at_twice_the_ba
         commands = [argv] * 2
         envs = [{"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": "node0:29600,node1:29600",
                  "KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": str(i)} for i in range(2)]
-    _, listeners = launch_on_hosts(bed, commands, envs)
+    _, _, listeners = launch_on_hosts(bed, commands, envs)
     expected = reference(tmp_path, keras_backend)
     for result in results(bed):
         assert_same_training(result, expected)
@@ -106,10 +132,80 @@ def test_multi_worker_mirrored_across_hosts_named_on_loopback_listens_on_the_clu
     cluster = {"worker": ["node0:29700", "node1:29700"]}
     envs = [{"KERAS_BACKEND": "tensorflow", "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
             for i in range(2)]
-    _, listeners = launch_on_hosts(bed, [[PYTHON, WORKER, OUT, "--batch", 8, "--adam"]] * 2, envs)
+    _, _, listeners = launch_on_hosts(bed, [[PYTHON, WORKER, OUT, "--batch", 8, "--adam"]] * 2, envs)
     assert_cluster_listeners_only(bed, listeners)
     assert any(address.endswith(bed.hosts[0].address) for _, address in listeners)  # the check saw the servers
     expected = reference(tmp_path, "tensorflow")
     for result in results(bed):
         assert_same_training(result, expected)
 
+
+
+def test_parameter_servers_across_hosts_end_with_the_chief_and_a_frozen_worker_host_ends_the_job(three_hosts):
+    """Chief, worker and ps on three hosts, default settings. The worker's host freezes
+    mid-epoch: the chief ends within the default step timeout (30 s once the steps are
+    traced) with a one-line error naming the worker, and the ps within seconds of it,
+    non-zero. The rerun resumes from the chief's backup, on the chief's disk only, and
+    every server exits 0 within seconds of the chief's clean end."""
+    bed = three_hosts
+    cluster = {"chief": ["node0:29700"], "worker": ["node1:29700"], "ps": ["node2:29700"]}
+    envs = [{"KERAS_BACKEND": "tensorflow", "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": 0}})}
+            for kind in cluster]
+    command = [PYTHON, WORKERS / "ps_training.py", OUT, 4, 200]
+    chief, worker, ps = processes = start_on_hosts(bed, [command] * 3, envs)
+    deadline = time.monotonic() + 240
+    while "epoch 1 begin" not in bed.output(chief):
+        assert chief.poll() is None and time.monotonic() < deadline, bed.output(chief)[-4000:]
+        time.sleep(0.1)
+    bed.signal(bed.hosts[1], signal.SIGSTOP)
+    frozen = time.monotonic()
+    ended, _ = wait_for_the_end(bed, processes, timeout=120, frozen=[worker])
+    out = bed.output(chief)
+    begun = [int(line.split()[1]) for line in out.splitlines() if line.startswith("epoch ")]
+    print(f"worker host frozen in epoch {begun[-1]}: the chief ended {ended[0] - frozen:.1f} s later, "
+          f"the ps {ended[2] - ended[0]:.1f} s after the chief")
+    assert chief.returncode != 0 and ps.returncode != 0
+    errors = [line for line in out.splitlines() if line.startswith("keras_dist.errors.KerasDistError")]
+    assert errors and "did not finish within 30 s: /job:worker/task:0 is frozen" in errors[0], out[-3000:]
+    assert ended[0] - frozen < 30 + 15 and ended[2] - ended[0] < 15
+    bed.kill(bed.hosts[1])  # as its operator would
+
+    outputs, ended, listeners = launch_on_hosts(bed, [command] * 3, envs)
+    print(f"rerun: the worker ended {ended[1] - ended[0]:.1f} s and the ps {ended[2] - ended[0]:.1f} s after the chief")
+    assert max(ended.values()) - ended[0] < 15
+    with open(bed.hosts[0].tmp / "out" / "result.json") as f:
+        assert json.load(f)["epochs_run"] == list(range(begun[-1], 4))  # resumed in the epoch the freeze cut
+    assert not [path for host in bed.hosts[1:] for path in (host.tmp / "out").iterdir()]  # the chief's disk only
+    assert_cluster_listeners_only(bed, listeners)
+
+
+@pytest.mark.parametrize("strategy", ["multi_worker_mirrored", "torch"])
+def test_keras_dist_launch_on_each_host_restarts_a_failed_job_which_ends_as_an_uninterrupted_run(debian_hosts,
+                                                                                                 tmp_path, strategy):
+    """`keras-dist launch --nnodes 2 --node-rank I --master-addr node0 --max-restarts 1`
+    on each host; rank 1's process is killed after the chief's first backup. The job
+    restarts, resumes from the chief's BackupAndRestore, and ends with the weights of
+    one process at twice the batch, uninterrupted."""
+    bed = debian_hosts
+    options = ["--samples", 1024, "--epochs", 4, "--callbacks"]
+    commands = [[BIN / "keras-dist", "launch", "--backend", strategy, "-n", 1, "--nnodes", 2, "--node-rank", i,
+                 "--master-addr", "node0", "--max-restarts", 1, WORKER, OUT, "--batch", 8, "--adam", *options]
+                for i in range(2)]
+    processes = start_on_hosts(bed, commands, [{}] * 2)
+    backup, deadline = bed.hosts[0].tmp / "out" / "backup", time.monotonic() + 240
+    while not backup.exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in processes), bed.output(processes[0])
+        time.sleep(0.05)
+    victim = [pid for pid in bed.pids(bed.hosts[1]) if b"any_backend_worker" in open(f"/proc/{pid}/cmdline", "rb").read()
+              and b"keras-dist" not in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert victim
+    os.kill(max(victim), signal.SIGKILL)  # the training process (torchrun's child, or the launcher's)
+    ended, _ = wait_for_the_end(bed, processes, timeout=240)
+    outputs = [bed.output(p) for p in processes]
+    assert all(p.returncode == 0 for p in processes), outputs[0][-3000:] + outputs[1][-3000:]
+    assert all("restart 1 of 1" in output for output in outputs)
+    expected = reference(tmp_path, "tensorflow" if strategy == "multi_worker_mirrored" else "torch", *options)
+    for result in results(bed):
+        resumed = len(result["history"]["loss"])  # the epochs of the last run
+        assert resumed < 4
+        assert_same_training(result, {**expected, "history": {k: v[-resumed:] for k, v in expected["history"].items()}})

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import runner  # noqa: E402
 
-from keras_dist.launchers.processes import free_loopback_ports  # noqa: E402
+from keras_dist.launchers.processes import free_ports  # noqa: E402
 from keras_dist.tf_cluster import BIND_ALL_ENV, tcp_listeners  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -65,7 +65,7 @@ def test_a_taken_port_stops_the_worker_with_one_line(occupant_host):
         occupant.bind((occupant_host, 0))
         occupant.listen()
         port = occupant.getsockname()[1]
-        workers = [f"127.0.0.1:{port}", f"127.0.0.1:{free_loopback_ports(1)[0]}"]
+        workers = [f"127.0.0.1:{port}", f"127.0.0.1:{free_ports(1)[0]}"]
         env = {"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": 0}})}
         # A short limit: the error must come at import, not after waiting for the peer.
         code, out = runner.run([["-c", "import keras_dist"]], [env], timeout=90)[0]

@@ -1,10 +1,11 @@
-"""The launcher interface: what starts a local cluster of one script."""
+"""The launcher interface: what starts the processes of one script on this machine."""
 
 import abc
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from keras_dist.errors import KerasDistError
+from keras_dist.launchers.nodes import Nodes
 
 
 @dataclass
@@ -39,14 +40,21 @@ class Launcher(abc.ABC):
     # Whether its clusters include parameter-server tasks (then at least one).
     starts_parameter_servers: ClassVar[bool] = False
 
-    def tasks(self, num_workers: int, num_ps: int, argv: list) -> list:
-        """The `Task`s that run `argv` (a script and its arguments) as a local cluster."""
+    def tasks(self, num_workers: int, num_ps: int, argv: list, nodes: Nodes | None = None) -> list:
+        """The `Task`s that run `argv` (a script and its arguments) on this machine.
+
+        Args:
+            num_workers: training processes on this machine.
+            num_ps: parameter-server tasks on this machine.
+            argv: the script and its arguments.
+            nodes: this machine's place in a job of several machines; None: this one only.
+        """
         if self.starts_parameter_servers and num_ps < 1:
             raise KerasDistError(f"launcher {self.name!r} needs at least one parameter server; add --ps 1")
         if not self.starts_parameter_servers and num_ps:
             raise KerasDistError(f"launcher {self.name!r} starts no parameter servers; drop --ps")
-        return self._tasks(num_workers, num_ps, argv)
+        return self._tasks(num_workers, num_ps, argv, nodes if nodes and nodes.count > 1 else None)
 
     @abc.abstractmethod
-    def _tasks(self, num_workers: int, num_ps: int, argv: list) -> list:
+    def _tasks(self, num_workers: int, num_ps: int, argv: list, nodes: Nodes | None) -> list:
         """`tasks` after its checks of the counts."""

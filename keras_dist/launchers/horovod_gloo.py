@@ -17,7 +17,10 @@ class HorovodGlooLauncher(Launcher):
 
     name = "horovod_gloo"
 
-    def _tasks(self, num_workers, num_ps, argv):
+    def _tasks(self, num_workers, num_ps, argv, nodes):
+        if nodes:
+            raise KerasDistError("keras-dist launch --nnodes does not start Horovod; across machines run `horovodrun "
+                                 "-np N -H host1:n,host2:n --gloo python train.py` on one of them (see docs)")
         try:
             from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
             from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars

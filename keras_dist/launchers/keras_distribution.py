@@ -1,10 +1,10 @@
-"""The variables `keras.distribution.initialize` reads, on one host (JAX's coordinator)."""
+"""The variables `keras.distribution.initialize` reads (JAX's coordinator), on one machine or several."""
 
 import os
 import sys
 
 from keras_dist.launchers.base import Launcher, Task
-from keras_dist.launchers.processes import free_loopback_ports
+from keras_dist.launchers.processes import free_ports
 
 
 class KerasDistributionLauncher(Launcher):
@@ -13,9 +13,12 @@ class KerasDistributionLauncher(Launcher):
 
     name = "keras_distribution"
 
-    def _tasks(self, num_workers, num_ps, argv):
-        coordinator = f"127.0.0.1:{free_loopback_ports(1)[0]}"
-        env = {"KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator, "KERAS_DISTRIBUTION_NUM_PROCESSES": str(num_workers),
+    def _tasks(self, num_workers, num_ps, argv, nodes):
+        # Across machines the master's address, where process 0 serves the coordinator.
+        coordinator = nodes.master_address if nodes else f"127.0.0.1:{free_ports(1)[0]}"
+        first = nodes.rank * num_workers if nodes else 0
+        size = num_workers * (nodes.count if nodes else 1)
+        env = {"KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator, "KERAS_DISTRIBUTION_NUM_PROCESSES": str(size),
                "PYTHONUNBUFFERED": "1"}
         flags = os.environ.get("XLA_FLAGS", "")
         if num_workers > 1 and "intra_op_parallelism_threads" not in flags:
@@ -24,4 +27,4 @@ class KerasDistributionLauncher(Launcher):
             threads = max(1, (os.cpu_count() or 1) // num_workers)
             env["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}".strip()
         return [Task(f"rank:{i}", [sys.executable, *argv], env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)})
-                for i in range(num_workers)]
+                for i in range(first, first + num_workers)]

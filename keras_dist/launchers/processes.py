@@ -21,15 +21,17 @@ import time
 
 
 LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
+# How many times `keras-dist launch --max-restarts` has restarted the job, in every task.
+RESTART = "KERAS_DIST_RESTART"
 
 
-def free_loopback_ports(count):
-    """Ports free on 127.0.0.1 now (held open together so they are distinct)."""
+def free_ports(count: int, address: str = "127.0.0.1") -> list:
+    """Ports free on `address` now (held open together so they are distinct)."""
     sockets = []
     try:
         for _ in range(count):
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            s.bind((address, 0))
             sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:
@@ -77,7 +79,7 @@ def run_tasks(tasks, out=None, poll_seconds=0.2):
         while True:
             codes = [proc.poll() for _, proc in procs]
             for (task, _), code in zip(procs, codes):
-                if task.serves and code is not None and task.name not in reported:
+                if task.serves and code not in (None, 0) and task.name not in reported:
                     reported.add(task.name)
                     out.write(f"[keras-dist] server {task.name} exited with {exit_code(code)}; "
                               "the chief decides whether the job can go on\n")
@@ -86,8 +88,12 @@ def run_tasks(tasks, out=None, poll_seconds=0.2):
                 task, code = failed[0]
                 out.write(f"[keras-dist] task {task.name} exited with {exit_code(code)}; stopping the others\n")
                 return exit_code(code)
-            if all(code == 0 for (task, _), code in zip(procs, codes) if not task.serves):
+            trainers = [code for (task, _), code in zip(procs, codes) if not task.serves]
+            if trainers and all(code == 0 for code in trainers):
                 return 0
+            if not trainers and all(code is not None for code in codes):
+                # A machine of servers only (`--nnodes`): they end with the chief, elsewhere.
+                return next((exit_code(code) for code in codes if code), 0)
             time.sleep(poll_seconds)
     except KeyboardInterrupt as interrupt:
         sig = interrupt.args[0] if interrupt.args else signal.SIGINT

@@ -1,44 +1,55 @@
-"""`TF_CONFIG` clusters on loopback: tf.distribute's multi-worker and parameter-server jobs."""
+"""`TF_CONFIG` clusters: tf.distribute's multi-worker and parameter-server jobs, on one machine or several."""
 
 import json
 import os
 import sys
 
 from keras_dist.launchers.base import Launcher, Task
-from keras_dist.launchers.processes import free_loopback_ports
+from keras_dist.launchers.processes import free_ports
 from keras_dist.tf_cluster import binding_env
 
 
 class TFConfigLauncher(Launcher):
-    """`worker` tasks only, each with its own `TF_CONFIG` (worker 0 is the chief)."""
+    """`worker` tasks only, each with its own `TF_CONFIG` (worker 0 is the chief).
+
+    Across machines each machine runs its `-n` tasks on its own address; the machines
+    learn each other's addresses and ports through the master (`Nodes.exchange`).
+    """
 
     name = "tf_config"
     # Task kinds that serve until stopped rather than run the script to its end.
     serving_kinds = ()
 
-    def _cluster(self, num_workers, num_ps):
-        return {"worker": [f"127.0.0.1:{port}" for port in free_loopback_ports(num_workers)]}
+    def _counts(self, num_workers, num_ps, first):
+        """Tasks per kind on one machine; `first`: the machine of the chief."""
+        return {"worker": num_workers}
 
-    def _tasks(self, num_workers, num_ps, argv):
-        cluster = self._cluster(num_workers, num_ps)
-        # TensorFlow's servers listen on loopback only; set up front, it spares each task a restart.
-        loopback = binding_env(os.environ, "127.0.0.1")
+    def _tasks(self, num_workers, num_ps, argv, nodes):
+        address = nodes.address if nodes else "127.0.0.1"
+        counts = self._counts(num_workers, num_ps, first=not nodes or nodes.rank == 0)
+        ports = iter(free_ports(sum(counts.values()), address))
+        mine = {kind: [f"{address}:{next(ports)}" for _ in range(count)] for kind, count in counts.items()}
+        machines = nodes.exchange(mine) if nodes else [mine]
+        cluster = {kind: [a for machine in machines for a in machine.get(kind, [])] for kind in ("chief", "worker", "ps")}
+        cluster = {kind: tasks for kind, tasks in cluster.items() if tasks}
+        # TensorFlow's servers listen on this machine's cluster address only; set up
+        # front, it spares each task a restart.
+        binding = binding_env(os.environ, address)
         return [
-            Task(f"{kind}:{i}", [sys.executable, *argv], serves=kind in self.serving_kinds,
-                 env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}}), **loopback})
-            for kind in ("chief", "worker", "ps") for i in range(len(cluster.get(kind, [])))
+            Task(f"{kind}:{cluster[kind].index(task)}", [sys.executable, *argv], serves=kind in self.serving_kinds,
+                 env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": cluster[kind].index(task)}}),
+                      **binding})
+            for kind, tasks in mine.items() for task in tasks
         ]
 
 
 class TFConfigParameterServerLauncher(TFConfigLauncher):
-    """A `chief` that runs the script, `worker` tasks and `ps` tasks that serve until stopped."""
+    """A `chief` that runs the script (on the first machine), `worker` tasks and `ps`
+    tasks that serve until the chief is done."""
 
     name = "tf_config_with_ps"
     starts_parameter_servers = True
     serving_kinds = ("worker", "ps")
 
-    def _cluster(self, num_workers, num_ps):
-        ports = iter(free_loopback_ports(1 + num_workers + num_ps))
-        return {"chief": [f"127.0.0.1:{next(ports)}"],
-                "worker": [f"127.0.0.1:{next(ports)}" for _ in range(num_workers)],
-                "ps": [f"127.0.0.1:{next(ports)}" for _ in range(num_ps)]}
+    def _counts(self, num_workers, num_ps, first):
+        return {"chief": 1 if first else 0, "worker": num_workers, "ps": num_ps}

@@ -87,8 +87,10 @@ def create(name, **options):
     return cls(**options)
 
 
-def local_cluster(name, num_workers, num_ps, argv):
-    """The tasks (`keras_dist.launchers.Task`) of a local cluster that runs `argv` under strategy `name`.
+def local_cluster(name, num_workers, num_ps, argv, nodes=None):
+    """The tasks (`keras_dist.launchers.Task`) that run `argv` under strategy `name` on this machine.
+
+    `nodes` (`keras_dist.launchers.nodes.Nodes`) places this machine in a job of several.
 
     Its launcher describes them; each task is also told the Keras backend the strategy
     trains on, so `--backend jax` works without exporting KERAS_BACKEND.
@@ -98,7 +100,7 @@ def local_cluster(name, num_workers, num_ps, argv):
     cls = strategy_class(name)
     if not cls.launcher:
         raise KerasDistError(f"backend {name!r} has no local launcher; run the script directly")
-    tasks = launchers.create(cls.launcher).tasks(num_workers, num_ps, argv)
+    tasks = launchers.create(cls.launcher).tasks(num_workers, num_ps, argv, nodes)
     trains_on = REGISTRY[name][0]
     for task in tasks:
         if trains_on:

@@ -5,7 +5,7 @@ import os
 import sys
 
 from conftest import run_many  # tests/ is on sys.path under pytest
-from keras_dist.launchers.processes import free_loopback_ports
+from keras_dist.launchers.processes import free_ports
 
 WORKER = os.path.join(os.path.dirname(__file__), "train_worker.py")
 
@@ -30,7 +30,7 @@ def run_ok(argv_list, envs, timeout=240):
 
 
 def tf_config_envs(count):
-    workers = [f"127.0.0.1:{p}" for p in free_loopback_ports(count)]
+    workers = [f"127.0.0.1:{p}" for p in free_ports(count)]
     return [{"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})}
             for i in range(count)]
 

@@ -15,9 +15,12 @@ from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
 from keras_dist.errors import KerasDistError
 
-# Seconds a step may take before the job stops (first steps trace the function).
+# Seconds a step may take before the job stops, unless set: the first steps of a step
+# function also trace it and instantiate it on each worker; later ones are short (as
+# Horovod's default collective timeout, 30 s).
 STEP_TIMEOUT_VAR = "KERAS_DIST_STEP_TIMEOUT"
-DEFAULT_STEP_TIMEOUT = 120.0
+DEFAULT_FIRST_STEP_TIMEOUT = 120.0
+DEFAULT_STEP_TIMEOUT = 30.0
 
 
 class CoordinatedSteps:
@@ -34,12 +37,18 @@ class CoordinatedSteps:
         strategy: the `ParameterServerStrategy`.
         coordinator: its `ClusterCoordinator`.
         num_workers: how many workers share the steps (bounds the closures in flight).
-        step_timeout: seconds a step may take before the job stops with a one-line error.
+        step_timeout: seconds a step may take before the job stops with a one-line error;
+            None: `DEFAULT_FIRST_STEP_TIMEOUT` until a step function has run twice on
+            each worker's share, then `DEFAULT_STEP_TIMEOUT`.
+        stalled: set when a step did not finish in time.
     """
 
-    def __init__(self, model, strategy, coordinator, num_workers=1, step_timeout=DEFAULT_STEP_TIMEOUT):
+    def __init__(self, model, strategy, coordinator, num_workers=1, step_timeout=None, stalled=None):
         self.model = model
         self.step_timeout = step_timeout
+        self.num_workers = num_workers
+        self._finished = {}  # step function -> steps fetched
+        self.stalled = stalled or threading.Event()
         self.strategy = strategy
         self.coordinator = coordinator
         # Enough queued steps to keep every worker busy, few enough that the chief reads
@@ -136,17 +145,23 @@ class CoordinatedSteps:
         """
         from tensorflow.python.distribute.coordinator.cluster_coordinator import _is_worker_failure
 
+        finished = self._finished.get(function, 0)
+        timeout = self.step_timeout or (DEFAULT_STEP_TIMEOUT if finished >= 2 * self.num_workers
+                                        else DEFAULT_FIRST_STEP_TIMEOUT)
         for attempt in range(attempts):
             try:
-                return _value_within(remote, self.step_timeout)
+                value = _value_within(remote, timeout)
+                self._finished[function] = finished + 1
+                return value
             except tf.errors.OpError as error:
                 if not _is_worker_failure(error) or attempt == attempts - 1:
                     raise
             except TimeoutError:
+                self.stalled.set()
                 worker = _worker_running(remote)
                 where = "a worker" if worker is None else f"/job:worker/task:{worker}"
                 raise KerasDistError(
-                    f"a step did not finish within {self.step_timeout:g} s: {where} is frozen or stalled, and "
+                    f"a step did not finish within {timeout:g} s: {where} is frozen or stalled, and "
                     "TensorFlow cannot go on without it; restart it and rerun (BackupAndRestore resumes after the "
                     f"last epoch), or raise {STEP_TIMEOUT_VAR} if steps are that slow") from None
             remote = self.coordinator.schedule(function, args=args)

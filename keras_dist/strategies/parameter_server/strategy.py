@@ -2,16 +2,17 @@
 
 import os
 import sys
+import threading
 import weakref
 
 import keras
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, optimizer_hooks
+from keras_dist import keras_workarounds, network, optimizer_hooks
 from keras_dist.errors import KerasDistError
 from keras_dist.strategies.base import GradientOptions, Strategy
-from keras_dist.strategies.parameter_server.loop import DEFAULT_STEP_TIMEOUT, STEP_TIMEOUT_VAR, CoordinatedSteps
-from keras_dist.strategies.parameter_server.server import SERVING_TASKS, ps_cluster, serve
+from keras_dist.strategies.parameter_server.loop import STEP_TIMEOUT_VAR, CoordinatedSteps
+from keras_dist.strategies.parameter_server.server import SERVING_TASKS, announce_end, ps_cluster, serve
 from keras_dist.strategies.tf_strategy import adopt_optimizer, move_variables
 from keras_dist.tf_cluster import detected_cluster, prepare_server_process
 
@@ -46,7 +47,8 @@ class ParameterServerStrategy(Strategy):
             else none.
         step_timeout: seconds a step may run before the job stops with a one-line
             error (a frozen worker would otherwise stall it silently); default
-            `KERAS_DIST_STEP_TIMEOUT`, else 120.
+            `KERAS_DIST_STEP_TIMEOUT`, else 120 for the first steps (they trace the
+            step function) and 30 once each worker has run it.
 
     Example:
 
@@ -73,8 +75,7 @@ class ParameterServerStrategy(Strategy):
         prepare_server_process(environ)
         cluster, kind, index = ps_cluster(environ)  # as it may have rewritten TF_CONFIG
         if kind in SERVING_TASKS:
-            serve(cluster, kind, index)
-            sys.exit(0)
+            sys.exit(serve(cluster, kind, index))
         # The coordinator retries a step on another worker only if RPCs fail fast.
         environ.setdefault("GRPC_FAIL_FAST", "use_caller")
         # Connecting moves this process's devices into the cluster and invalidates variables
@@ -84,10 +85,12 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, variable_partitioner=None, step_timeout=None):
         cluster, kind, _ = ps_cluster(os.environ)
-        self.step_timeout = float(step_timeout or os.environ.get(STEP_TIMEOUT_VAR) or DEFAULT_STEP_TIMEOUT)
+        timeout = step_timeout or os.environ.get(STEP_TIMEOUT_VAR)
+        self.step_timeout = float(timeout) if timeout else None
         if kind != "chief":
             raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
                                  "only the 'chief' task runs the script past `import keras_dist`")
+        self.cluster = cluster
         self.num_workers = len(cluster["worker"])
         self.variable_partitioner = variable_partitioner or _partitioner_from_environment(len(cluster["ps"]))
         self.strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
@@ -97,6 +100,8 @@ class ParameterServerStrategy(Strategy):
             raise KerasDistError("backend 'parameter_server' runs one replica per worker; give each worker task one "
                                  "GPU (CUDA_VISIBLE_DEVICES) and start more worker tasks")
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        self.stalled = threading.Event()  # set by a step that did not finish in time
+        announce_end(cluster, self.stalled)
         self._steps = weakref.WeakKeyDictionary()  # model -> CoordinatedSteps of its latest compile
 
     @property
@@ -150,11 +155,17 @@ class ParameterServerStrategy(Strategy):
         steps = self._steps.get(model)
         if steps is None:
             steps = self._steps[model] = CoordinatedSteps(model, self.strategy, self.coordinator, self.num_workers,
-                                                         self.step_timeout)
+                                                         self.step_timeout, self.stalled)
         try:
             return getattr(steps, method)(**arguments)
-        except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as exc:
-            raise KerasDistError(_lost_task_message(exc)) from None
+        except tf.errors.OpError as exc:
+            # A lost ps shows as whatever its last reads broke: often Unavailable, at
+            # times the end of a worker's input (seen: OutOfRange after a ps was killed).
+            lost = [f"/job:ps/task:{i} ({address})" for i, address in enumerate(self.cluster["ps"])
+                    if not network.answers(address)]
+            if lost or isinstance(exc, (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)):
+                raise KerasDistError(_lost_task_message(exc, lost)) from None
+            raise
 
 
 def _partitioner_from_environment(num_ps):
@@ -167,7 +178,10 @@ def _partitioner_from_environment(num_ps):
     return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=int(text), max_shards=num_ps)
 
 
-def _lost_task_message(exc):
+def _lost_task_message(exc, lost):
+    if lost:
+        what = f"{', '.join(lost)} stopped answering"
+    else:
+        what = "a parameter server or the cluster became unreachable"
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    return (f"a parameter server or the cluster became unreachable ({first}); restart the job: "
-            "the chief resumes from its last BackupAndRestore checkpoint")
+    return (f"{what} ({first}); restart the job: the chief resumes from its last BackupAndRestore checkpoint")
