@@ -5,8 +5,10 @@ namespace of its own (so no traffic reaches this machine's interfaces), its own 
 (a UTS namespace per process), its own `/etc/hosts` (`ip netns exec` mounts
 `/etc/netns/NAME/hosts` over it), a second interface whose address must never show a
 listener, and optionally its own `/tmp` (a mount namespace: no shared disk), a rate limit
-on its link, and a CPU core. `loopback_names=True` writes each host's own name as
-127.0.1.1, as Debian's and Ubuntu's installers do.
+on its link, a CPU core, and an `sshd` (`ssh=True`: root logs in from any host to any
+host by key, for `horovodrun -H`; openssh-server is installed with apt-get on first use).
+`loopback_names=True` writes each host's own name as 127.0.1.1, as Debian's and Ubuntu's
+installers do.
 
 Needs root and iproute2 (`ip`, `tc`), as CI and development machines here have.
 `bench/` imports it too (`sys.path` gets `tests/`).
@@ -26,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,11 +63,13 @@ class HostBed:
         own_tmp: each host gets a /tmp of its own (no shared disk).
         rate: a `tc tbf` rate for every link (e.g. "200mbit"); None: unlimited.
         pin: run each host's processes on one core (host i on core i mod the cores).
+        ssh: run an `sshd` on each host, and let `ssh` on each reach every host as root.
     """
 
     def __init__(self, count: int, loopback_names: bool = False, own_tmp: bool = False, rate: str | None = None,
-                 pin: bool = False):
+                 pin: bool = False, ssh: bool = False):
         self.count, self.loopback_names, self.own_tmp, self.rate, self.pin = count, loopback_names, own_tmp, rate, pin
+        self.ssh = ssh
         self.tag = f"{_PREFIX}{os.getpid()}x{next(_beds)}"
         self.bridge = f"{self.tag}-br"
         self.hosts: list[Host] = []
@@ -125,6 +130,8 @@ class HostBed:
             self.hosts.append(host)
         for host in self.hosts:
             self._write_hosts_file(host)
+        if self.ssh:
+            self._start_sshd()
 
     def _write_hosts_file(self, host: Host) -> None:
         lines = ["127.0.0.1 localhost"]
@@ -134,6 +141,35 @@ class HostBed:
         directory = Path("/etc/netns") / host.namespace
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "hosts").write_text("\n".join(lines) + "\n")
+
+    def _start_sshd(self) -> None:
+        """An sshd per host, and an ssh client that logs in anywhere by key; both read
+        /etc/ssh, which `ip netns exec` replaces by /etc/netns/NAME/ssh on each host."""
+        _install("openssh-server", "/usr/sbin/sshd")
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+        keys = self.root / "keys"
+        keys.mkdir()
+        for name in ("host_key", "id_key"):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", keys / name], check=True)
+        for host in self.hosts:
+            etc = Path("/etc/netns") / host.namespace / "ssh"
+            etc.mkdir()
+            for name in ("host_key", "id_key"):
+                shutil.copy(keys / name, etc / name)
+            shutil.copy(keys / "id_key.pub", etc / "authorized_keys")
+            (etc / "sshd_config").write_text(
+                f"ListenAddress {host.address}\nListenAddress 127.0.1.1\nHostKey /etc/ssh/host_key\nAuthorizedKeysFile /etc/ssh/authorized_keys\n"
+                "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\nPrintMotd no\n")
+            (etc / "ssh_config").write_text("Host *\n  IdentityFile /etc/ssh/id_key\n  StrictHostKeyChecking no\n"
+                                            "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n")
+            self.start(host, ["/usr/sbin/sshd", "-D", "-e"])
+        for host in self.hosts:  # until every sshd answers
+            for _ in range(100):
+                if any(address == host.address and port == 22 for address, port in self.listeners(host)):
+                    break
+                time.sleep(0.1)
+            else:
+                raise HostBedError(f"sshd did not start on {host.name}: {self.output(self.processes[-1])[-500:]}")
 
     def close(self) -> None:
         """Kills every process of every host, then removes the namespaces and files."""
@@ -223,6 +259,19 @@ class HostBed:
             address, _, port = local.rpartition(":")
             found.append((address.strip("[]"), int(port)))
         return found
+
+
+def _install(package: str, program: str) -> None:
+    """Installs a Debian package the bed needs, on first use (as root, with apt-get)."""
+    if Path(program).exists():
+        return
+    environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    done = subprocess.run(["apt-get", "install", "-y", "-q", package], env=environment, capture_output=True, text=True)
+    if done.returncode:
+        subprocess.run(["apt-get", "update", "-q"], env=environment, capture_output=True)
+        done = subprocess.run(["apt-get", "install", "-y", "-q", package], env=environment, capture_output=True, text=True)
+    if done.returncode or not Path(program).exists():
+        raise HostBedError(f"the test bed needs {package} and apt-get could not install it: {done.stderr[-300:]}")
 
 
 def remove_stale_beds() -> None:

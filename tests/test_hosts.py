@@ -25,10 +25,10 @@ WORKER = WORKERS / "any_backend_worker.py"
 OUT = "/tmp/out"  # on each host's own /tmp
 
 
-def hosts(count):
+def hosts(count, ssh=False):
     """`count` hosts whose own names resolve to 127.0.1.1; fails in one line where they cannot be made."""
     try:
-        with HostBed(count, loopback_names=True, own_tmp=True, pin=True) as bed:
+        with HostBed(count, loopback_names=True, own_tmp=True, pin=True, ssh=ssh) as bed:
             yield bed
     except HostBedError as exc:
         pytest.fail(str(exc), pytrace=False)
@@ -42,6 +42,11 @@ def debian_hosts():
 @pytest.fixture
 def three_hosts():
     yield from hosts(3)
+
+
+@pytest.fixture
+def ssh_hosts():
+    yield from hosts(2, ssh=True)
 
 
 def reference(tmp_path, keras_backend, *options):
@@ -124,6 +129,20 @@ def test_gloo_across_hosts_named_on_loopback_matches_one_process_at_twice_the_ba
         assert_same_training(result, expected)
     if keras_backend == "jax":  # torchrun's own store listens on every interface (torchrun's, not keras_dist's)
         assert_cluster_listeners_only(bed, listeners)
+
+
+def test_horovodrun_over_ssh_across_hosts_named_on_loopback_matches_one_process_at_twice_the_batch(ssh_hosts,
+                                                                                                     tmp_path):
+    """`horovodrun -H` from the first host, which starts the other rank over ssh. Gloo's
+    sockets use the interface horovodrun chose (Horovod is built with the process-set
+    fix in tools/build_horovod.sh: without it, rank 0 connected to 127.0.1.1)."""
+    bed = ssh_hosts
+    script = f'mkdir -p {OUT} && exec {PYTHON} {WORKER} {OUT} --batch 8 --adam'
+    command = [BIN / "horovodrun", "-np", 2, "-H", "node0:1,node1:1", "--gloo", "sh", "-c", script]
+    launch_on_hosts(bed, [command], [{"KERAS_BACKEND": "tensorflow"}])
+    expected = reference(tmp_path, "tensorflow")
+    for result in results(bed):
+        assert_same_training(result, expected)
 
 
 def test_multi_worker_mirrored_across_hosts_named_on_loopback_listens_on_the_cluster_address_only(debian_hosts,

@@ -14,6 +14,11 @@
 # and under C++17 Gloo's `Store::kDefaultTimeout` is defined in two objects with the same
 # value, which the linker is told to accept.
 #
+# One fix for jobs across machines: Gloo contexts of process sets (the global set's too)
+# ignore HOROVOD_GLOO_IFACE and advertise whatever the host name resolves to, 127.0.1.1
+# on Debian and Ubuntu, so ranks on other machines fail to connect; they take the global
+# context's interface instead. PATCH_LEVEL names our patches in the cached wheel's path.
+#
 # Env: PYTHON (default: python), HOROVOD_VERSION (default 0.28.1).
 # GPU: when nvcc and NCCL are found, the build uses NCCL for all-reduce (HOROVOD_GPU_OPERATIONS=NCCL).
 set -euo pipefail
@@ -34,7 +39,8 @@ fi
 
 torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null) || torch_version=""
 
-cache="${KERAS_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/keras_dist}/wheels/horovod-$version-tf$tf_version${torch_version:+-torch$torch_version}-$gpu"
+PATCH_LEVEL=1
+cache="${KERAS_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/keras_dist}/wheels/horovod-$version-tf$tf_version${torch_version:+-torch$torch_version}-$gpu-p$PATCH_LEVEL"
 if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
@@ -45,6 +51,10 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
   sed -i 's/^#if TENSORFLOW_VERSION >= 2006000000$/#if TENSORFLOW_VERSION >= 2006000000 \&\& TENSORFLOW_VERSION < 2019000000 \&\& HAVE_GPU/' \
     "$src/horovod/tensorflow/xla_mpi_ops.cc"
   grep -q 'TENSORFLOW_VERSION < 2019000000 && HAVE_GPU' "$src/horovod/tensorflow/xla_mpi_ops.cc" \
+    || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
+  # Process sets' Gloo contexts on the global context's interface (see header comment).
+  sed -i 's/^  assert(global_context.IsEnabled());$/&\n  gloo_iface_ = global_context.gloo_iface_;/' "$src/horovod/common/gloo/gloo_context.cc"
+  grep -q '^  gloo_iface_ = global_context.gloo_iface_;$' "$src/horovod/common/gloo/gloo_context.cc" \
     || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
   # A release build without debug info: same -O3 code, about a fifth less build time.
   sed -i "s/else 'RelWithDebInfo'$/else 'Release'/" "$src/setup.py"
