@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -63,7 +64,15 @@ def serve(cluster: dict, kind: str, index: int) -> int:
     server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=kind, task_index=index,
                                   protocol="grpc", start=True)
     print(f"keras_dist: {kind}:{index} serving at {cluster[kind][index]} for the chief", file=sys.stderr, flush=True)
-    code = _wait_for_the_chief(cluster["chief"][0], _end_note(cluster, kind, index))
+    note = _end_note(cluster, kind, index)
+    _remove(note)  # left by an earlier job on the same ports, whose servers were killed
+
+    def stop(signum, frame):  # a launcher ending the job removes the note it may have got
+        _remove(note)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    code = _wait_for_the_chief(cluster["chief"][0], note)
     del server  # referenced until here: a collected server stops serving
     return code
 
@@ -83,12 +92,20 @@ def _wait_for_the_chief(chief: str, note: str) -> int:
             if time.monotonic() - gone_since >= CHIEF_GONE_SECONDS:
                 break
         time.sleep(1.0)
-    if os.path.exists(note):
-        os.remove(note)
+    if _remove(note):
         return 0
     logger.error("keras_dist: the chief at %s is gone without ending the job (it failed, or its machine is "
                  "unreachable); this task stops", chief)
     return 1
+
+
+def _remove(path: str) -> bool:
+    """Removes `path`; whether it was there."""
+    try:
+        os.remove(path)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _end_note(cluster: dict, kind: str, index: int) -> str:
