@@ -17,9 +17,10 @@ class Task:
         argv: the command line.
         env: variables added to the launcher's environment.
         prefix_output: False when the command prefixes lines itself (`horovodrun`).
-        serves: a server that runs until stopped (parameter-server workers and ps
-            tasks): the job ends when every other task has, and a server that dies
-            does not stop the job (the chief decides whether it can go on).
+        serves: a server (parameter-server workers and ps tasks): the job ends when
+            every other task has, or, on a machine of servers only, when they have
+            (they end with the chief); a server that dies does not stop the job (the
+            chief decides whether it can go on).
     """
 
     name: str
