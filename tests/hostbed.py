@@ -5,8 +5,11 @@ namespace of its own (so no traffic reaches this machine's interfaces), its own 
 (a UTS namespace per process), its own `/etc/hosts` (`ip netns exec` mounts
 `/etc/netns/NAME/hosts` over it), a second interface whose address must never show a
 listener, and optionally its own `/tmp` (a mount namespace: no shared disk), a rate limit
-on its link, a CPU core, and an `sshd` (`ssh=True`: root logs in from any host to any
-host by key, for `horovodrun -H`; openssh-server is installed with apt-get on first use).
+on its link, a CPU core, an `sshd` (`ssh=True`: root logs in from any host to any host by
+key, for `horovodrun -H`), and a SLURM cluster (`slurm=True`: `slurmctld` on the first
+host, a `slurmd` on each, one partition of all hosts, for `srun` and `sbatch`). The
+packages they need (openssh-server; slurm-wlm, munge) are installed with apt-get on
+first use.
 `loopback_names=True` writes each host's own name as 127.0.1.1, as Debian's and Ubuntu's
 installers do.
 
@@ -64,14 +67,17 @@ class HostBed:
         rate: a `tc tbf` rate for every link (e.g. "200mbit"); None: unlimited.
         pin: run each host's processes on one core (host i on core i mod the cores).
         ssh: run an `sshd` on each host, and let `ssh` on each reach every host as root.
+        slurm: run a SLURM cluster of the hosts, one CPU each.
     """
 
     def __init__(self, count: int, loopback_names: bool = False, own_tmp: bool = False, rate: str | None = None,
-                 pin: bool = False, ssh: bool = False):
+                 pin: bool = False, ssh: bool = False, slurm: bool = False):
         self.count, self.loopback_names, self.own_tmp, self.rate, self.pin = count, loopback_names, own_tmp, rate, pin
-        self.ssh = ssh
+        self.ssh, self.slurm = ssh, slurm
         self.tag = f"{_PREFIX}{os.getpid()}x{next(_beds)}"
         self.bridge = f"{self.tag}-br"
+        # SLURM's state and munge's socket: outside /tmp, which a host may have of its own.
+        self.run_dir = Path("/run") / self.tag
         self.hosts: list[Host] = []
         self.processes: list[subprocess.Popen] = []
         self.root = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
@@ -132,6 +138,8 @@ class HostBed:
             self._write_hosts_file(host)
         if self.ssh:
             self._start_sshd()
+        if self.slurm:
+            self._start_slurm()
 
     def _write_hosts_file(self, host: Host) -> None:
         lines = ["127.0.0.1 localhost"]
@@ -171,6 +179,48 @@ class HostBed:
             else:
                 raise HostBedError(f"sshd did not start on {host.name}: {self.output(self.processes[-1])[-500:]}")
 
+    def _start_slurm(self) -> None:
+        """munged and slurmctld on the first host, slurmd on each; returns once every node is idle.
+
+        Each host reads /etc/netns/NAME/slurm as /etc/slurm. slurmd needs the cgroup
+        hierarchies, which `ip netns exec` hides under its own /sys: it mounts them again.
+        """
+        _install("slurm-wlm", "/usr/sbin/slurmd")
+        _install("munge", "/usr/sbin/munged")
+        socket = self.run_dir / "munge.socket"
+        for name in ("ctld", *(f"d-{host.name}" for host in self.hosts)):
+            (self.run_dir / name).mkdir(parents=True)
+        shutil.chown(self.run_dir, "munge", "munge")
+        nodes = "".join(f"NodeName={h.name} NodeAddr={h.address} CPUs=1 State=UNKNOWN\n" for h in self.hosts)
+        config = (f"ClusterName={self.tag}\nSlurmctldHost={self.hosts[0].name}({self.hosts[0].address})\n"
+                  f"SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\nAuthInfo=socket={socket}\n"
+                  f"StateSaveLocation={self.run_dir}/ctld\nSlurmdSpoolDir={self.run_dir}/d-%n\n"
+                  f"SlurmctldPidFile={self.run_dir}/ctld.pid\nSlurmdPidFile={self.run_dir}/d-%n.pid\n"
+                  "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
+                  "SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\nMpiDefault=none\n"
+                  "SlurmdParameters=config_overrides\nReturnToService=2\n"
+                  f"{nodes}PartitionName=bed Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n")
+        for host in self.hosts:
+            etc = Path("/etc/netns") / host.namespace / "slurm"
+            etc.mkdir()
+            (etc / "slurm.conf").write_text(config)
+            (etc / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
+        first = self.hosts[0]
+        self.start(first, ["runuser", "-u", "munge", "--", "/usr/sbin/munged", "-F", f"--socket={socket}",
+                           f"--pid-file={self.run_dir}/munged.pid"])
+        self.start(first, ["/usr/sbin/slurmctld", "-D", "-i"])
+        cgroups = "mount -t tmpfs none /sys/fs/cgroup && for c in freezer cpuset memory devices; do " \
+                  "mkdir /sys/fs/cgroup/$c && mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c || exit 3; done"
+        for host in self.hosts:
+            self.start(host, ["sh", "-c", f"{cgroups} && exec /usr/sbin/slurmd -D -N {host.name}"])
+        for _ in range(150):
+            states = self.run(first, ["sinfo", "-h", "-o", "%t"], timeout=30).stdout.split()
+            if states == ["idle"]:
+                return
+            time.sleep(0.2)
+        logs = "\n".join(self.output(p)[-300:] for p in self.processes[-len(self.hosts) - 2:])
+        raise HostBedError(f"the SLURM cluster did not come up (sinfo: {states}):\n{logs}")
+
     def close(self) -> None:
         """Kills every process of every host, then removes the namespaces and files."""
         for host in self.hosts:
@@ -187,6 +237,7 @@ class HostBed:
             shutil.rmtree(Path("/etc/netns") / host.namespace, ignore_errors=True)
         subprocess.run(["ip", "netns", "del", self.bridge], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
         self.hosts = []
 
     # --- running processes ------------------------------------------------------
@@ -288,6 +339,7 @@ def remove_stale_beds() -> None:
                 pass
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+        shutil.rmtree(Path("/run") / namespace.rsplit("-", 1)[0], ignore_errors=True)  # the bed's run_dir
 
 
 def _alive(pid: int) -> bool:

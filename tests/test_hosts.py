@@ -25,10 +25,10 @@ WORKER = WORKERS / "any_backend_worker.py"
 OUT = "/tmp/out"  # on each host's own /tmp
 
 
-def hosts(count, ssh=False):
+def hosts(count, **options):
     """`count` hosts whose own names resolve to 127.0.1.1; fails in one line where they cannot be made."""
     try:
-        with HostBed(count, loopback_names=True, own_tmp=True, pin=True, ssh=ssh) as bed:
+        with HostBed(count, loopback_names=True, own_tmp=True, pin=True, **options) as bed:
             yield bed
     except HostBedError as exc:
         pytest.fail(str(exc), pytrace=False)
@@ -47,6 +47,11 @@ def three_hosts():
 @pytest.fixture
 def ssh_hosts():
     yield from hosts(2, ssh=True)
+
+
+@pytest.fixture
+def slurm_hosts():
+    yield from hosts(2, slurm=True)
 
 
 def reference(tmp_path, keras_backend, *options):
@@ -141,6 +146,19 @@ def test_horovodrun_over_ssh_across_hosts_named_on_loopback_matches_one_process_
     command = [BIN / "horovodrun", "-np", 2, "-H", "node0:1,node1:1", "--gloo", "sh", "-c", script]
     launch_on_hosts(bed, [command], [{"KERAS_BACKEND": "tensorflow"}])
     expected = reference(tmp_path, "tensorflow")
+    for result in results(bed):
+        assert_same_training(result, expected)
+
+
+def test_an_sbatch_script_with_srun_across_hosts_matches_one_process_at_twice_the_batch(slurm_hosts, tmp_path):
+    """A batch script of one `srun` line, as SLURM users write it, submitted with
+    `sbatch --wait` on the first host; keras_dist finds the job in SLURM's variables."""
+    bed = slurm_hosts
+    (bed.hosts[0].tmp / "train.sbatch").write_text(  # the first host's own /tmp
+        f"#!/bin/sh\n#SBATCH --nodes=2 --ntasks=2 --output=/tmp/slurm-%j.out\n"
+        f"srun sh -c 'mkdir -p {OUT} && exec {PYTHON} {WORKER} {OUT} --batch 8 --adam'\n")
+    launch_on_hosts(bed, [["sbatch", "--wait", "/tmp/train.sbatch"]], [{"KERAS_BACKEND": "torch"}])
+    expected = reference(tmp_path, "torch")
     for result in results(bed):
         assert_same_training(result, expected)
 
