@@ -27,7 +27,7 @@ def _launch(args):
     # Keras on JAX or PyTorch trains with the backend of that name; on TensorFlow, Horovod is the default.
     keras_backend = strategies.keras_backend(os.environ)
     args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
-    nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes > 1 else None
+    nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != 1 else None
     directory = serve_directory(nodes) if nodes and nodes.rank == 0 and _uses_directory(args.backend) else None
     try:
         for attempt in range(args.max_restarts + 1):

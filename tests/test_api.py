@@ -93,6 +93,7 @@ def test_arrays_are_interleaved_and_padded_only_for_training():
     (["launch", "--backend", "horovod", "--nnodes", "2", "--master-addr", "127.0.0.1", "examples/train.py"],
      "does not start Horovod; across machines run `horovodrun"),
     (["launch", "--max-restarts", "-1", "examples/train.py"], "--max-restarts must be 0 or more"),
+    (["launch", "--nnodes", "0", "examples/train.py"], "--nnodes must be at least 1"),
 ])
 def test_launcher_bad_input_is_a_one_line_error(args, message):
     code, out = run([BIN / "keras-dist", *args], timeout=60, cwd=ROOT)

@@ -8,7 +8,6 @@ address and ports and reads everyone's (`Nodes.exchange`), as torchrun's c10d st
 """
 
 import json
-import logging
 import threading
 import time
 import urllib.error
@@ -18,8 +17,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from keras_dist import network
 from keras_dist.errors import KerasDistError
-
-logger = logging.getLogger("keras_dist")
 
 DEFAULT_PORT = 29400
 # Seconds a machine waits for the others to join (they start by hand, or by a scheduler).
