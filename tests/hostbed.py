@@ -317,10 +317,12 @@ def _install(package: str, program: str) -> None:
     if Path(program).exists():
         return
     environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(["apt-get", "install", "-y", "-q", package], env=environment, capture_output=True, text=True)
-    if done.returncode:
-        subprocess.run(["apt-get", "update", "-q"], env=environment, capture_output=True)
+    for update in (False, True):  # the package lists may be missing or stale: update once
+        if update:
+            subprocess.run(["apt-get", "update", "-q"], env=environment, capture_output=True)
         done = subprocess.run(["apt-get", "install", "-y", "-q", package], env=environment, capture_output=True, text=True)
+        if done.returncode == 0:
+            break
     if done.returncode or not Path(program).exists():
         raise HostBedError(f"the test bed needs {package} and apt-get could not install it: {done.stderr[-300:]}")
 

@@ -35,11 +35,11 @@ class TFConfigLauncher(Launcher):
         # TensorFlow's servers listen on this machine's cluster address only; set up
         # front, it spares each task a restart.
         binding = binding_env(os.environ, address)
+        places = [(kind, cluster[kind].index(task)) for kind, tasks in mine.items() for task in tasks]
         return [
-            Task(f"{kind}:{cluster[kind].index(task)}", [sys.executable, *argv], serves=kind in self.serving_kinds,
-                 env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": cluster[kind].index(task)}}),
-                      **binding})
-            for kind, tasks in mine.items() for task in tasks
+            Task(f"{kind}:{index}", [sys.executable, *argv], serves=kind in self.serving_kinds,
+                 env={"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}}), **binding})
+            for kind, index in places
         ]
 
 
