@@ -216,7 +216,35 @@ def test_parameter_servers_across_hosts_end_with_the_chief_and_a_frozen_worker_h
     assert_cluster_listeners_only(bed, listeners)
 
 
-@pytest.mark.parametrize("strategy", ["multi_worker_mirrored", "torch"])
+@pytest.mark.parametrize("keras_backend", ["jax", "torch"])
+def test_a_frozen_host_ends_a_gloo_job_in_bounded_time_naming_it(debian_hosts, keras_backend):
+    """Every process of the second host is stopped (SIGSTOP) mid-training, under
+    `keras-dist launch --nnodes 2`. With a step timeout of 15 s, the first host's
+    process ends within it plus a few seconds: PyTorch's with a one-line error naming
+    the rank and host that stopped; JAX's when its heartbeats run out."""
+    pytest.importorskip(keras_backend)
+    bed = debian_hosts
+    commands = [[BIN / "keras-dist", "launch", "--backend", keras_backend, "-n", 1, "--nnodes", 2, "--node-rank", i,
+                 "--master-addr", "node0", WORKER, OUT, "--samples", 4096, "--epochs", 100, "--callbacks"]
+                for i in range(2)]
+    processes = start_on_hosts(bed, commands, [{"KERAS_DIST_STEP_TIMEOUT": "15"}] * 2)
+    backup, deadline = bed.hosts[0].tmp / "out" / "backup", time.monotonic() + 240
+    while not backup.exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in processes), bed.output(processes[0])
+        time.sleep(0.05)
+    bed.signal(bed.hosts[1], signal.SIGSTOP)
+    frozen = time.monotonic()
+    ended, _ = wait_for_the_end(bed, processes, timeout=120, frozen=[processes[1]])
+    out = bed.output(processes[0])
+    print(f"{keras_backend}: the first host's job ended {ended[0] - frozen:.1f} s after the second host froze")
+    assert processes[0].returncode != 0 and ended[0] - frozen < 15 + 10, out[-3000:]
+    if keras_backend == "torch":
+        errors = [line.split("KerasDistError: ", 1)[1] for line in out.splitlines() if "KerasDistError: " in line]
+        assert errors and errors[0].startswith("rank 1 on node1 stopped answering within 15 s"), out[-3000:]
+    bed.kill(bed.hosts[1])
+
+
+@pytest.mark.parametrize("strategy", ["multi_worker_mirrored"])
 def test_keras_dist_launch_on_each_host_restarts_a_failed_job_which_ends_as_an_uninterrupted_run(debian_hosts,
                                                                                                  tmp_path, strategy):
     """`keras-dist launch --nnodes 2 --node-rank I --master-addr node0 --max-restarts 1`

@@ -18,11 +18,12 @@ import contextlib
 import logging
 import os
 import pickle
+import threading
 
 import keras
 import numpy as np
 
-from keras_dist import environments, network
+from keras_dist import environments, network, timeouts
 from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override
@@ -63,17 +64,36 @@ def _start_process_group(environ):
             # This machine is the coordinator's, and its name resolves to loopback here (Debian's
             # 127.0.1.1), where the coordinator does not listen: reach it by its address.
             coordinator = f"{address}:{port}"
+        start = timeouts.first_steps(environ=environ)
+        unjoined = (f"process {environment.rank} did not join JAX's process group at {coordinator} within {start:g} s, "
+                    f"advertising {address}; check the coordinator address and set GLOO_SOCKET_IFNAME to the interface "
+                    f"the other machines reach, or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart")
+        # JAX's client aborts the process with a stack trace when its registration times
+        # out (LOG(FATAL)), so keras_dist ends it first, in one line.
+        watchdog = threading.Timer(start, _give_up, (unjoined,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
+            # Heartbeats run on threads of their own, so a busy process keeps beating: only a
+            # frozen or cut-off one misses them, and the job ends after the later steps' timeout.
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
-                                       process_id=environment.rank,
+                                       process_id=environment.rank, initialization_timeout=int(start) + 5,
+                                       heartbeat_timeout_seconds=int(timeouts.later_steps(environ=environ)),
                                        coordinator_bind_address=None if bind is None or environ.get("KERAS_DIST_BIND_ALL") == "1"
                                        else f"{bind}:{port}")
         except RuntimeError as exc:
             raise KerasDistError(f"JAX's process group did not start ({str(exc).splitlines()[0]}); `import keras_dist` "
                                  "before any JAX computation, and check the coordinator address") from None
+        finally:
+            watchdog.cancel()
         if address is not None:
             _gloo_advertises(address)
     _started = True
+
+
+def _give_up(message: str) -> None:
+    logger.error(message)
+    os._exit(1)
 
 
 def _gloo_advertises(address):

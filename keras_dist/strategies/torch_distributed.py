@@ -18,18 +18,24 @@ train.py`, or any launcher whose cluster environment names a coordinator (`srun`
 """
 
 import atexit
+import datetime
 import itertools
 import os
+import socket
+import time
 
 import numpy as np
 
-from keras_dist import environments
+from keras_dist import environments, network, timeouts
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
 from keras_dist.strategies.base import GradientOptions, Strategy
 
 # Gradients travel in flat buckets of about this size: few collectives, bounded copies.
 BUCKET_BYTES = 25 * 2**20
+# After a collective failed, how long each process waits for the others to say they saw
+# it fail too: those that do not are the ones that stopped (their machine frozen or gone).
+PEERS_SECONDS = 3.0
 
 
 class TorchDistributedStrategy(Strategy):
@@ -227,13 +233,30 @@ class TorchDistributedCollectives:
         import torch.distributed as dist
 
         self._dist = dist
+        self._store = None  # where keras_dist started the process group: the job's store
         if not dist.is_initialized() and environment.size > 1:
             coordinator = environment.rendezvous()
             if coordinator is None:
                 raise KerasDistError(f"the {environment.name} launcher names no coordinator for torch.distributed; "
                                      "set MASTER_ADDR and MASTER_PORT, or launch with `keras-dist launch --backend torch`")
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method=f"tcp://{coordinator}",
-                                    rank=environment.rank, world_size=environment.size)
+            # A collective cannot tell a frozen peer from one busy with the chief's own work
+            # (a checkpoint) between steps, so it waits as long as a first step may take:
+            # bounded, where gloo's default is 30 minutes.
+            self.timeout = timeouts.first_steps()
+            advertised = network.choose_interface(os.environ, coordinator)
+            try:
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                        init_method=f"tcp://{coordinator}", rank=environment.rank,
+                                        world_size=environment.size, timeout=datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as exc:  # DistBackendError and DistStoreError too
+                raise KerasDistError(
+                    f"rank {environment.rank} did not connect to the job at {coordinator} within {self.timeout:g} s, "
+                    f"advertising {advertised or socket.gethostname()} to its peers ({_first_line(exc)}); set "
+                    "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the interface the other machines reach, "
+                    f"or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart") from None
+            self._coordinator = coordinator
+            self._store = dist.distributed_c10d._get_default_store()
+            self._store.set(f"keras_dist/host/{environment.rank}", socket.gethostname())
             # A process group left to interpreter shutdown can abort the process after the
             # script ended well ("terminate called without an active exception": gloo's
             # threads outlive Python; pytorch/pytorch#190489). keras_dist created it, so
@@ -257,8 +280,33 @@ class TorchDistributedCollectives:
 
     def wait(self, handle, tensor):
         """Waits for `start_sum`; the summed tensor."""
-        handle.wait()
+        try:
+            handle.wait()
+        except RuntimeError as exc:  # a peer timed out or closed its connection
+            if self._store is None:
+                raise
+            raise KerasDistError(self._who_stopped(exc)) from None
         return tensor
+
+    def _who_stopped(self, error) -> str:
+        """A one-line account of a failed collective that names the processes that stopped.
+
+        Each process that sees its collective fail notes so in the job's store; the ranks
+        that have not after `PEERS_SECONDS` stopped (a frozen or lost machine). The store
+        itself not answering means the coordinator's machine stopped.
+        """
+        store = self._store
+        store.set_timeout(datetime.timedelta(seconds=PEERS_SECONDS))
+        try:
+            store.set(f"keras_dist/failed/{self.rank}", "1")
+            time.sleep(PEERS_SECONDS)
+            silent = [r for r in range(self.size) if not store.check([f"keras_dist/failed/{r}"])]
+            stopped = ", ".join(f"rank {r} on {store.get(f'keras_dist/host/{r}').decode()}" for r in silent)
+        except RuntimeError:
+            stopped = f"the job's coordinator at {self._coordinator}"
+        return (f"{stopped or 'a peer'} stopped answering within {self.timeout:g} s ({_first_line(error)}): its "
+                f"machine froze, lost its network or ended; or raise {timeouts.STEP_TIMEOUT_VAR} if a step "
+                "or the chief's own work between steps takes that long")
 
     def min(self, tensor):
         self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN)
@@ -323,6 +371,10 @@ class HorovodTorchCollectives:
 
     def barrier(self):
         self._hvd.barrier()
+
+
+def _first_line(error) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _destroy_process_group(dist):

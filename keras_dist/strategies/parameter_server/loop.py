@@ -9,18 +9,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import keras_workarounds
+from keras_dist import keras_workarounds, timeouts
 from keras_dist.inputs import tf_data
 from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
 from keras_dist.errors import KerasDistError
-
-# Seconds a step may take before the job stops, unless set: the first steps of a step
-# function also trace it and instantiate it on each worker; later ones are short (as
-# Horovod's default collective timeout, 30 s).
-STEP_TIMEOUT_VAR = "KERAS_DIST_STEP_TIMEOUT"
-DEFAULT_FIRST_STEP_TIMEOUT = 120.0
-DEFAULT_STEP_TIMEOUT = 30.0
 
 
 class CoordinatedSteps:
@@ -38,8 +31,8 @@ class CoordinatedSteps:
         coordinator: its `ClusterCoordinator`.
         num_workers: how many workers share the steps (bounds the closures in flight).
         step_timeout: seconds a step may take before the job stops with a one-line error;
-            None: `DEFAULT_FIRST_STEP_TIMEOUT` until a step function has run twice on
-            each worker's share, then `DEFAULT_STEP_TIMEOUT`.
+            None: `timeouts.DEFAULT_FIRST_STEP_TIMEOUT` until a step function has run
+            `timeouts.FIRST_STEPS` times on each worker's share, then `timeouts.DEFAULT_STEP_TIMEOUT`.
         stalled: set when a step did not finish in time.
     """
 
@@ -146,8 +139,9 @@ class CoordinatedSteps:
         from tensorflow.python.distribute.coordinator.cluster_coordinator import _is_worker_failure
 
         finished = self._finished.get(function, 0)
-        timeout = self.step_timeout or (DEFAULT_STEP_TIMEOUT if finished >= 2 * self.num_workers
-                                        else DEFAULT_FIRST_STEP_TIMEOUT)
+        timeout = self.step_timeout or (timeouts.DEFAULT_STEP_TIMEOUT
+                                        if finished >= timeouts.FIRST_STEPS * self.num_workers
+                                        else timeouts.DEFAULT_FIRST_STEP_TIMEOUT)
         for attempt in range(attempts):
             try:
                 value = _value_within(remote, timeout)
@@ -163,7 +157,7 @@ class CoordinatedSteps:
                 raise KerasDistError(
                     f"a step did not finish within {timeout:g} s: {where} is frozen or stalled, and "
                     "TensorFlow cannot go on without it; restart it and rerun (BackupAndRestore resumes after the "
-                    f"last epoch), or raise {STEP_TIMEOUT_VAR} if steps are that slow") from None
+                    f"last epoch), or raise {timeouts.STEP_TIMEOUT_VAR} if steps are that slow") from None
             remote = self.coordinator.schedule(function, args=args)
 
     def _run(self, function, inputs, callbacks, hooks):

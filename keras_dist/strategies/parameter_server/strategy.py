@@ -8,10 +8,10 @@ import weakref
 import keras
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, network, optimizer_hooks
+from keras_dist import keras_workarounds, network, optimizer_hooks, timeouts
 from keras_dist.errors import KerasDistError
 from keras_dist.strategies.base import GradientOptions, Strategy
-from keras_dist.strategies.parameter_server.loop import STEP_TIMEOUT_VAR, CoordinatedSteps
+from keras_dist.strategies.parameter_server.loop import CoordinatedSteps
 from keras_dist.strategies.parameter_server.server import SERVING_TASKS, announce_end, ps_cluster, serve
 from keras_dist.strategies.tf_strategy import adopt_optimizer, move_variables
 from keras_dist.tf_cluster import detected_cluster, prepare_server_process
@@ -85,8 +85,7 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, variable_partitioner=None, step_timeout=None):
         cluster, kind, _ = ps_cluster(os.environ)
-        timeout = step_timeout or os.environ.get(STEP_TIMEOUT_VAR)
-        self.step_timeout = float(timeout) if timeout else None
+        self.step_timeout = timeouts.chosen(step_timeout)
         if kind != "chief":
             raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
                                  "only the 'chief' task runs the script past `import keras_dist`")
