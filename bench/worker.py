@@ -8,6 +8,8 @@ MODE:
                     same `fit`, on the backend the launcher implies
   handwritten       a tf.function step with Horovod's grouped_allreduce on the gradients;
                     each rank feeds its own shard (tf.data: its files, files[rank::size])
+  handwritten_per_tensor  the same with one Horovod allreduce per gradient tensor, as
+                    `hvd.DistributedGradientTape` does (the tape fails on Keras 3, horovod#4290)
   handwritten_mwms  a tf.function step run by MultiWorkerMirroredStrategy, whose Keras
                     optimizer all-reduces the gradients; each worker feeds its own shard
   input_plain       no model: iterates the tf.data pipeline, the whole of it
@@ -31,12 +33,13 @@ elements they actually iterate.
 """
 
 import argparse
+import os
 
 import numpy as np
 
 parser = argparse.ArgumentParser()
-parser.add_argument("mode", choices=["plain", "keras_dist", "handwritten", "handwritten_mwms", "input_plain",
-                                     "input_keras_dist"])
+parser.add_argument("mode", choices=["plain", "keras_dist", "handwritten", "handwritten_per_tensor",
+                                     "handwritten_mwms", "input_plain", "input_keras_dist"])
 parser.add_argument("model")
 parser.add_argument("--window", type=float, required=True, help="seconds a window lasts at least")
 parser.add_argument("--windows", type=int, required=True, help="windows to measure")
@@ -156,7 +159,8 @@ if mode in ("plain", "keras_dist"):
         rank, size = 0, 1
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss_fn)
     else:
-        keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.01), loss=loss_fn)
+        keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.01), loss=loss_fn,
+                           gradient_compression=os.environ.get("BENCH_COMPRESSION") or None)
         rank, size = keras_dist.current().rank, keras_dist.current().size
     windows = Windows(rank, args.sync, args.window, args.windows)
     fit_args = dict(epochs=100000, verbose=0, callbacks=[Measure(windows, samples_per_epoch(size))])
@@ -209,7 +213,11 @@ else:
     def train_step(xb, yb):
         with tf.GradientTape() as tape:
             loss = loss_fn(yb, model(xb, training=True))
-        grads = hvd.grouped_allreduce(tape.gradient(loss, model.trainable_variables), op=hvd.Average)
+        grads = tape.gradient(loss, model.trainable_variables)
+        if mode == "handwritten_per_tensor":
+            grads = [hvd.allreduce(g, op=hvd.Average) for g in grads]
+        else:
+            grads = hvd.grouped_allreduce(grads, op=hvd.Average)
         optimizer.apply(grads, model.trainable_variables)
         return loss
 

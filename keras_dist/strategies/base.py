@@ -17,6 +17,7 @@ Three families fit behind it:
 
 import abc
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,6 +34,35 @@ class GradientOptions:
 
     reduction: str = "mean"
     compression: str | None = None
+
+
+BUCKET_BYTES_VAR = "KERAS_DIST_BUCKET_BYTES"
+
+
+def bucket_bytes(default: int) -> int:
+    """Bytes of gradients per collective: `KERAS_DIST_BUCKET_BYTES`, else the backend's `default`.
+
+    Smaller buckets start communicating earlier in the backward pass; larger ones pay
+    fewer collectives' fixed costs. 0: one collective per gradient tensor.
+    """
+    return int(os.environ.get(BUCKET_BYTES_VAR) or default)
+
+
+def buckets(sizes: list[int], dtypes: list, limit: int) -> list[list[int]]:
+    """Indices of consecutive tensors in runs of one dtype and at most `limit` bytes each.
+
+    `sizes` and `dtypes` describe the tensors in the order their collectives start; a
+    tensor larger than `limit` is a run of its own.
+    """
+    runs, total = [], 0
+    for i, (nbytes, dtype) in enumerate(zip(sizes, dtypes)):
+        if runs and dtype == dtypes[runs[-1][-1]] and total + nbytes <= limit:
+            runs[-1].append(i)
+            total += nbytes
+        else:
+            runs.append([i])
+            total = nbytes
+    return runs
 
 
 @dataclass(frozen=True)

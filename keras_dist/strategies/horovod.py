@@ -7,7 +7,7 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 import itertools
 import os
 
-from keras_dist.strategies.base import Strategy, GradientOptions
+from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 from keras_dist.environments import MPIEnvironment
 from keras_dist.errors import KerasDistError
 
@@ -102,8 +102,19 @@ class HorovodStrategy(Strategy):
         def allreduce_gradients(grads):
             import tensorflow as tf
 
-            dense = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
-            return hvd.grouped_allreduce(dense, op=op, compression=compression)
+            dense = [tf.convert_to_tensor(g) for g in grads][::-1]  # IndexedSlices -> dense
+            # Backward yields the last layers' gradients first. One collective per bucket,
+            # each depending on its own gradients only: TensorFlow's executor starts it as
+            # soon as they exist, while the rest of the backward pass runs. By default
+            # every gradient is a bucket, and Horovod's fusion buffer sends together those
+            # ready in the same cycle (bench/hosts.py, 200 Mbit/s: 1106 samples/s against
+            # 1058 with 1 MiB buckets and 749 with one collective after the backward pass).
+            runs = buckets([(g.shape.num_elements() or 0) * g.dtype.size for g in dense], [g.dtype for g in dense],
+                           bucket_bytes(default=0))
+            reduced = []
+            for run in runs:
+                reduced += hvd.grouped_allreduce([dense[i] for i in run], op=op, compression=compression)
+            return reduced[::-1]
 
         def all_finite(is_finite):
             import tensorflow as tf

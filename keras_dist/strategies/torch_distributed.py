@@ -29,7 +29,7 @@ import numpy as np
 from keras_dist import environments, network, timeouts
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
-from keras_dist.strategies.base import GradientOptions, Strategy
+from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 
 # Gradients travel in flat buckets of about this size: few collectives, bounded copies.
 BUCKET_BYTES = 25 * 2**20
@@ -141,7 +141,7 @@ class TorchDistributedStrategy(Strategy):
         """Each tensor summed (or averaged) over processes, through a few flat collectives
         named `name.0`, `name.1`..."""
         out = []
-        for k, bucket in enumerate(buckets(tensors)):
+        for k, bucket in enumerate(tensor_buckets(tensors)):
             out += self._finish_allreduce(self._start_allreduce(bucket, options, f"{name}.{k}"), bucket, options)
         return out
 
@@ -382,18 +382,10 @@ def _destroy_process_group(dist):
         dist.destroy_process_group()
 
 
-def buckets(tensors):
-    """`tensors` in consecutive runs of one dtype and at most `BUCKET_BYTES` (one tensor may exceed it)."""
-    runs, size = [], 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if runs and tensor.dtype == runs[-1][0].dtype and size + nbytes <= BUCKET_BYTES:
-            runs[-1].append(tensor)
-            size += nbytes
-        else:
-            runs.append([tensor])
-            size = nbytes
-    return runs
+def tensor_buckets(tensors):
+    """`tensors` in consecutive runs of one dtype and at most `bucket_bytes()` (one tensor may exceed it)."""
+    runs = buckets([t.numel() * t.element_size() for t in tensors], [t.dtype for t in tensors], bucket_bytes(BUCKET_BYTES))
+    return [[tensors[i] for i in run] for run in runs]
 
 
 class OverlappedGradients:
@@ -418,7 +410,7 @@ class OverlappedGradients:
         self.strategy, self.options, self.name = strategy, options, name
         self.params = [v.value for v in variables][::-1]
         self.buckets = []  # lists of indices into params
-        for run in buckets(self.params):
+        for run in tensor_buckets(self.params):
             start = sum(len(b) for b in self.buckets)
             self.buckets.append(list(range(start, start + len(run))))
         self.bucket_of = [k for k, bucket in enumerate(self.buckets) for _ in bucket]

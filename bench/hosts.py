@@ -1,0 +1,146 @@
+"""Communication-bound training between two simulated hosts on a rate-limited link.
+
+    .venv/bin/python bench/hosts.py [--models cnn,mlp] [--rate 200mbit] [--configs NAME,...]
+                                    [--rounds 2] [--window 20] [--windows 2] [--buckets 1,4,64]
+
+Needs root (tests/hostbed.py): two network namespaces, one core each, an sshd on each,
+and every link limited with `tc tbf` to --rate. Horovod configurations run under
+`horovodrun -np 2 -H node0:1,node1:1 --gloo` from the first host, over ssh, with
+bench/worker.py measuring windows as bench/run.py does (medians over windows,
+configurations alternated round by round, CPU-seconds per sample summed over ranks).
+
+Configurations (processes x 1 core):
+  plain_1                  Keras `fit`, one process on the first host: the compute rate
+  keras_dist_2             the two-line change on Horovod (bucketed, overlapped all-reduce)
+  keras_dist_2_bN          the same with KERAS_DIST_BUCKET_BYTES = N MiB (--buckets)
+  keras_dist_fp16_2        the same with gradient_compression="fp16"
+  handwritten_2            hand-written Horovod loop, one grouped all-reduce after backward
+  handwritten_per_tensor_2 hand-written Horovod loop, one all-reduce per gradient tensor
+
+Reported per model: samples/s (both hosts), CPU-s/sample, scaling efficiency (samples/s
+over twice plain_1) and the overlap limit: two hosts whose per-step compute (from
+plain_1) fully hides the all-reduce, which moves the gradients' bytes once each way over
+the link (ring all-reduce between two hosts), at the link throughput measured first.
+The last line is a JSON object with every figure.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+from hostbed import HostBed  # noqa: E402
+
+PYTHON = sys.executable
+HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
+BATCH = {"cnn": 64, "mlp": 128}  # bench/worker.py's
+PORT = 29900
+
+
+def configs(buckets):
+    found = {"plain_1": ("plain", None, {}), "keras_dist_2": ("keras_dist", "horovod", {}),
+             "keras_dist_fp16_2": ("keras_dist", "horovod", {"BENCH_COMPRESSION": "fp16"}),
+             "handwritten_2": ("handwritten", "horovod", {}),
+             "handwritten_per_tensor_2": ("handwritten_per_tensor", "horovod", {})}
+    for mib in buckets:
+        found[f"keras_dist_2_b{mib:g}"] = ("keras_dist", "horovod", {"KERAS_DIST_BUCKET_BYTES": str(int(mib * 2**20))})
+    return found
+
+
+def link_bytes_per_s(bed, seconds=4.0):
+    """TCP throughput from the first host to the second, measured with a plain socket."""
+    receiver = bed.start(bed.hosts[1], [PYTHON, "-c", (
+        "import socket; s = socket.create_server(('0.0.0.0', %d)); c, _ = s.accept()\n"
+        "while c.recv(1 << 20): pass" % PORT)])
+    time.sleep(1)
+    sender = bed.run(bed.hosts[0], [PYTHON, "-c", (
+        "import socket, time\n"
+        "c = socket.create_connection(('node1', %d)); block = bytes(1 << 20); sent = 0; t = time.monotonic()\n"
+        "while time.monotonic() - t < %f: c.sendall(block); sent += len(block)\n"
+        "print(sent / (time.monotonic() - t))" % (PORT, seconds))], timeout=seconds + 30)
+    receiver.kill()
+    return float(sender.stdout.strip())
+
+
+def launch(bed, model, config, args):
+    """The windows of one run: samples/s and CPU-s/sample, summed over the ranks."""
+    mode, launcher, env = config
+    sync = Path(bed.root) / f"sync-{time.monotonic_ns()}"
+    sync.mkdir()
+    argv = [PYTHON, HERE / "worker.py", mode, model, "--window", args.window, "--windows", args.windows,
+            "--sync", sync]
+    if launcher == "horovod":
+        argv = [HOROVODRUN, "-np", 2, "-H", "node0:1,node1:1", "--gloo", *argv]
+    base = {**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
+    process = bed.start(bed.hosts[0], argv, env={**base, **env})
+    try:
+        process.wait(timeout=args.window * args.windows * 4 + 180)
+    finally:
+        bed.signal(bed.hosts[0], 9) if process.poll() is None else None
+    output = bed.output(process)
+    reports = [json.loads(line.split("BENCH ", 1)[1]) for line in output.splitlines() if "BENCH " in line]
+    if process.returncode != 0 or len(reports) != (2 if launcher else 1):
+        raise RuntimeError(f"{model}/{mode} failed: {output[-2000:]}")
+    windows = []
+    for i in range(args.windows):
+        parts = [r["windows"][i] for r in reports]
+        samples = sum(p["samples"] for p in parts)
+        windows.append((sum(p["samples"] / p["seconds"] for p in parts), sum(p["cpu_s"] for p in parts) / samples))
+    return windows, reports[0]["params"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="cnn,mlp")
+    parser.add_argument("--rate", default="200mbit", help="tc tbf rate of every link")
+    parser.add_argument("--configs", help="only these configurations (comma-separated)")
+    parser.add_argument("--buckets", default="", help="bucket sizes in MiB to compare (keras_dist_2_bN)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--window", type=float, default=20.0)
+    parser.add_argument("--windows", type=int, default=2)
+    args = parser.parse_args()
+    chosen = configs([float(b) for b in args.buckets.split(",") if b])
+    if args.configs:
+        chosen = {k: v for k, v in chosen.items() if k in args.configs.split(",")}
+    models = args.models.split(",")
+    figures = {m: {name: [] for name in chosen} for m in models}
+    params = {}
+    with HostBed(2, rate=args.rate, pin=True, ssh=True) as bed:
+        link = link_bytes_per_s(bed)
+        print(f"link {args.rate}: {link / 1e6:.1f} MB/s measured", flush=True)
+        for round_ in range(args.rounds):
+            for model in models:
+                for name, config in chosen.items():
+                    windows, params[model] = launch(bed, model, config, args)
+                    figures[model][name] += windows
+                    print(f"round {round_} {model}/{name}: " + ", ".join(f"{s:.0f}/s" for s, _ in windows), flush=True)
+    summary = {"rate": args.rate, "link_bytes_per_s": link, "models": {}}
+    for model in models:
+        rows = {name: {"samples_per_s": statistics.median(s for s, _ in w),
+                       "cpu_s_per_sample": statistics.median(c for _, c in w)} for name, w in figures[model].items()}
+        limit = None
+        if "plain_1" in rows:
+            compute = BATCH[model] / rows["plain_1"]["samples_per_s"]  # seconds per step on one core
+            transfer = params[model] * 4 / link  # gradient bytes once each way per step
+            limit = 2 * BATCH[model] / max(compute, transfer)
+            for row in rows.values():
+                row["efficiency"] = row["samples_per_s"] / (2 * rows["plain_1"]["samples_per_s"])
+                row["of_limit"] = row["samples_per_s"] / limit
+        summary["models"][model] = {"params": params[model], "overlap_limit": limit, "configs": rows}
+        print(f"\n{model}: {params[model]} parameters, {params[model] * 4 / 1e6:.1f} MB of gradients; "
+              f"overlap limit {limit and round(limit)} samples/s")
+        print(f"{'configuration':26} {'samples/s':>10} {'CPU-ms/sample':>14} {'efficiency':>11} {'of limit':>9}")
+        for name, row in rows.items():
+            print(f"{name:26} {row['samples_per_s']:10.0f} {row['cpu_s_per_sample'] * 1e3:14.3f} "
+                  f"{row.get('efficiency', float('nan')):11.2f} {row.get('of_limit', float('nan')):9.2f}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
