@@ -221,7 +221,7 @@ def test_a_frozen_host_ends_a_gloo_job_in_bounded_time_naming_it(debian_hosts, k
     """Every process of the second host is stopped (SIGSTOP) mid-training, under
     `keras-dist launch --nnodes 2`. With a step timeout of 15 s, the first host's
     process ends within it plus a few seconds: PyTorch's with a one-line error naming
-    the rank and host that stopped; JAX's when its heartbeats run out."""
+    the rank and host that stopped (JAX: before its own heartbeats abort the process)."""
     pytest.importorskip(keras_backend)
     bed = debian_hosts
     commands = [[BIN / "keras-dist", "launch", "--backend", keras_backend, "-n", 1, "--nnodes", 2, "--node-rank", i,
@@ -238,9 +238,8 @@ def test_a_frozen_host_ends_a_gloo_job_in_bounded_time_naming_it(debian_hosts, k
     out = bed.output(processes[0])
     print(f"{keras_backend}: the first host's job ended {ended[0] - frozen:.1f} s after the second host froze")
     assert processes[0].returncode != 0 and ended[0] - frozen < 15 + 10, out[-3000:]
-    if keras_backend == "torch":
-        errors = [line.split("KerasDistError: ", 1)[1] for line in out.splitlines() if "KerasDistError: " in line]
-        assert errors and errors[0].startswith("rank 1 on node1 stopped answering within 15 s"), out[-3000:]
+    errors = [line.split("KerasDistError: ", 1)[1] for line in out.splitlines() if "KerasDistError: " in line]
+    assert errors and errors[0].startswith("rank 1 on node1 stopped answering within 15 s"), out[-3000:]
     bed.kill(bed.hosts[1])
 
 

@@ -14,11 +14,14 @@ or any launcher whose cluster environment names a coordinator (torchrun-style va
 Slurm's `srun`, or Keras's own `KERAS_DISTRIBUTION_*` variables), with `KERAS_BACKEND=jax`.
 """
 
+import atexit
 import contextlib
 import logging
 import os
 import pickle
+import socket
 import threading
+import time
 
 import keras
 import numpy as np
@@ -73,12 +76,12 @@ def _start_process_group(environ):
         watchdog = threading.Timer(start, _give_up, (unjoined,))
         watchdog.daemon = True
         watchdog.start()
+        later = timeouts.later_steps(environ=environ)
         try:
-            # Heartbeats run on threads of their own, so a busy process keeps beating: only a
-            # frozen or cut-off one misses them, and the job ends after the later steps' timeout.
+            # JAX's heartbeats end the job too, a little after keras_dist's own `_PeerWatch`.
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
                                        process_id=environment.rank, initialization_timeout=int(start) + 5,
-                                       heartbeat_timeout_seconds=int(timeouts.later_steps(environ=environ)),
+                                       heartbeat_timeout_seconds=int(later) + _PeerWatch.MARGIN,
                                        coordinator_bind_address=None if bind is None or environ.get("KERAS_DIST_BIND_ALL") == "1"
                                        else f"{bind}:{port}")
         except RuntimeError as exc:
@@ -88,7 +91,77 @@ def _start_process_group(environ):
             watchdog.cancel()
         if address is not None:
             _gloo_advertises(address)
+        _PeerWatch(_coordination_client(), environment.rank, environment.size, later).start()
     _started = True
+
+
+def _coordination_client():
+    """The client of JAX's coordination service (its key-value store), once the process group started."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+class _PeerWatch:
+    """Ends this process in one line naming the process and host that stopped answering.
+
+    JAX's heartbeats end the job as well, but by aborting with a C++ stack trace that
+    names a task number, and their Python callback cannot be set (jaxlib 0.10:
+    `get_distributed_runtime_client(missed_heartbeat_callback=...)` fails with
+    std::bad_cast). So each process also beats in the coordination service's key-value
+    store, with JAX's heartbeat timeout `MARGIN` seconds longer than this watch's. Beats
+    run on threads of their own (the store's calls release the GIL): a busy process keeps
+    beating; only a frozen or cut-off one stops. A process that ends marks itself done.
+    """
+
+    MARGIN = 10
+    DONE = "done"
+
+    def __init__(self, client, rank: int, size: int, timeout: float):
+        self._client, self._rank, self._size, self._timeout = client, rank, size, timeout
+        client.key_value_set(f"keras_dist/host/{rank}", socket.gethostname())
+        self._hosts = [client.blocking_key_value_get(f"keras_dist/host/{r}", int(timeout * 1000)) for r in range(size)]
+        now = time.monotonic()
+        self._answered = now  # when the coordinator last answered
+        self._seen = {r: (None, now) for r in range(size) if r != rank}  # last beat, when it changed
+        self._done = threading.Event()
+
+    def start(self) -> None:
+        atexit.register(self._finish)  # after JAX's own exit handler, so it runs first
+        for target in (self._beat, self._check):
+            threading.Thread(target=target, name=f"keras_dist {target.__name__[1:]}", daemon=True).start()
+
+    def _finish(self) -> None:
+        self._done.set()
+        with contextlib.suppress(Exception):
+            self._client.key_value_set(f"keras_dist/beat/{self._rank}", self.DONE, allow_overwrite=True)
+
+    def _beat(self) -> None:
+        interval, count = self._timeout / 6, 0
+        while not self._done.wait(interval):
+            count += 1
+            self._client.key_value_set(f"keras_dist/beat/{self._rank}", str(count), allow_overwrite=True)
+            for rank, (last, _) in list(self._seen.items()):
+                with contextlib.suppress(Exception):  # not beaten yet
+                    beat = self._client.key_value_try_get(f"keras_dist/beat/{rank}")
+                    if beat == self.DONE:
+                        del self._seen[rank]
+                    elif beat != last:
+                        self._seen[rank] = (beat, time.monotonic())
+            self._answered = time.monotonic()
+
+    def _check(self) -> None:
+        while not self._done.wait(1):
+            now = time.monotonic()
+            silent = [r for r, (_, changed) in list(self._seen.items()) if now - changed > self._timeout]
+            if now - self._answered > self._timeout:
+                silent = [0]
+            if silent and not self._done.is_set():
+                stopped = ", ".join(f"rank {r} on {self._hosts[r]}" + (" (JAX's coordinator)" if r == 0 else "")
+                                    for r in silent)
+                _give_up(f"KerasDistError: {stopped} stopped answering within {self._timeout:g} s: its machine "
+                         f"froze, lost its network or ended; or raise {timeouts.STEP_TIMEOUT_VAR} if it can be that "
+                         "busy")
 
 
 def _give_up(message: str) -> None:
@@ -104,11 +177,11 @@ def _gloo_advertises(address):
     which Debian maps to 127.0.1.1, and no variable changes that. The function takes a
     `hostname`; the CPU backend is registered again, before its first use, with it.
     """
-    from jax._src import distributed, xla_bridge
+    from jax._src import xla_bridge
     from jax._src.lib import _jax
 
     def cpu_backend():
-        collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+        collectives = _jax.make_gloo_tcp_collectives(distributed_client=_coordination_client(),
                                                      hostname=address)
         return xla_bridge.make_cpu_client(collectives=collectives)
 
