@@ -5,9 +5,13 @@ gets each worker's shard as it is, with TF's own auto-sharding off, and hands ea
 replica its own batches.
 """
 
+import atexit
 import dataclasses
+import logging
 import os
+import sys
 import pickle
+import re
 import weakref
 
 from keras_dist.strategies.base import InputPlan
@@ -20,6 +24,8 @@ from keras_dist.tf_cluster import detected_cluster, parse_tf_config, prepare_ser
 
 # Created by `prepare_process`: collective ops must be configured at program start-up.
 _strategy = None
+# How TensorFlow's coordination service names a task that stopped sending heartbeats.
+_UNHEALTHY = re.compile(r"unhealthy.*?/job:(\w+)/replica:\d+/task:(\d+)", re.S)
 
 
 class MultiWorkerMirroredStrategy(TFDistributeStrategy):
@@ -70,6 +76,21 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         model = super().prepare_model(model)
         predict_locally(model, self.strategy)
         return model
+
+    def run_loop(self, method: str, model, keras_method, arguments: dict):
+        import tensorflow as tf
+
+        try:
+            return super().run_loop(method, model, keras_method, arguments)
+        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as exc:
+            stopped = _stopped_task(str(exc), parse_tf_config(os.environ["TF_CONFIG"])[0])
+            if stopped is None:
+                raise
+            # TensorFlow's teardown would wait for the lost task, 10 s at a time ("restart
+            # your program to reset", its error says): the process ends without it.
+            atexit.register(_end_now)
+            raise KerasDistError(f"{stopped} stopped answering within TensorFlow's heartbeat timeout: its machine "
+                                 "froze, lost its network or ended") from None
 
     @property
     def rank(self) -> int:
@@ -156,6 +177,32 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
     def worker_file_callback(self, callback):
         # Saving is a collective too: the other workers save into scratch directories.
         return ScratchCallback(callback)
+
+
+def _stopped_task(error: str, cluster: dict) -> str | None:
+    """"rank R on HOST (/job:KIND/task:I)" for the task TensorFlow's coordination service lost, from its error.
+
+    The service (on the chief) names a task that missed its heartbeats; a task whose own
+    heartbeats to the service time out has lost the chief.
+    """
+    found = _UNHEALTHY.search(error)
+    trainers = [(kind, i) for kind in TFConfigEnvironment.TRAINERS for i in range(len(cluster.get(kind, [])))]
+    if found is not None:
+        task = found.group(1), int(found.group(2))
+    elif "CoordinationService/Heartbeat" in error and trainers:
+        task = trainers[0]
+    else:
+        return None
+    kind, index = task
+    rank = f"rank {trainers.index(task)}" if task in trainers else kind
+    return f"{rank} on {cluster[kind][index].rsplit(':', 1)[0]} (/job:{kind}/task:{index})"
+
+
+def _end_now() -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def predict_locally(model, strategy):
