@@ -216,10 +216,10 @@ def test_parameter_servers_across_hosts_end_with_the_chief_and_a_frozen_worker_h
     assert_cluster_listeners_only(bed, listeners)
 
 
-@pytest.mark.parametrize("strategy", ["jax", "torch", "multi_worker_mirrored"])
-def test_a_frozen_host_ends_the_job_in_bounded_time_naming_it(debian_hosts, strategy):
-    """Every process of the second host is stopped (SIGSTOP) mid-training, under
-    `keras-dist launch --nnodes 2`. With a step timeout of 15 s, the first host's
+@pytest.mark.parametrize("strategy, loss", [("jax", "freeze"), ("torch", "freeze"), ("multi_worker_mirrored", "cut")])
+def test_a_frozen_or_cut_off_host_ends_the_job_in_bounded_time_naming_it(debian_hosts, strategy, loss):
+    """Every process of the second host is stopped (SIGSTOP), or its link cut, mid-training,
+    under `keras-dist launch --nnodes 2`. With a step timeout of 15 s, the first host's
     process ends within it plus a few seconds, with a one-line error naming the rank and
     host that stopped (JAX: before its own heartbeats abort the process; MultiWorkerMirrored:
     after TensorFlow's heartbeat timeout, 10 s, and without its teardown, which waits)."""
@@ -234,11 +234,14 @@ def test_a_frozen_host_ends_the_job_in_bounded_time_naming_it(debian_hosts, stra
     while not backup.exists():
         assert time.monotonic() < deadline and all(p.poll() is None for p in processes), bed.output(processes[0])
         time.sleep(0.05)
-    bed.signal(bed.hosts[1], signal.SIGSTOP)
+    if loss == "freeze":
+        bed.signal(bed.hosts[1], signal.SIGSTOP)
+    else:
+        bed.cut(bed.hosts[1])  # its processes go on alone, and end too
     frozen = time.monotonic()
-    ended, _ = wait_for_the_end(bed, processes, timeout=120, frozen=[processes[1]])
+    ended, _ = wait_for_the_end(bed, processes, timeout=120, frozen=[processes[1]] if loss == "freeze" else [])
     out = bed.output(processes[0])
-    print(f"{strategy}: the first host's job ended {ended[0] - frozen:.1f} s after the second host froze")
+    print(f"{strategy}: the first host's job ended {ended[0] - frozen:.1f} s after the second host's {loss}")
     assert processes[0].returncode != 0 and ended[0] - frozen < 15 + 10, out[-3000:]
     errors = [line.split("KerasDistError: ", 1)[1] for line in out.splitlines() if "KerasDistError: " in line]
     # TF_CONFIG names each task by its address.
