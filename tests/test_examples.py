@@ -1,4 +1,4 @@
-"""The examples: the two-line change, the README's main job, training from TFDS, ResNet-50 on ImageNet."""
+"""The examples: the two-line change, the main job of docs/backends.md, training from TFDS, ResNet-50 on ImageNet."""
 
 import ast
 import difflib

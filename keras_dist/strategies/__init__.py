@@ -1,6 +1,6 @@
 """Strategy registry and factory: one name per strategy (the *backend* a user picks), one module each.
 
-Selection order (first match wins), documented in the README:
+Selection order (first match wins), documented in docs/backends.md (Selection):
   1. `keras_dist.init(backend=...)`, then the `KERAS_DIST_BACKEND` environment variable;
   2. the launcher that started the process, in `REGISTRY` order (`detect`);
   3. `single`, a plain process.
