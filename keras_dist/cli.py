@@ -92,7 +92,8 @@ def _info(args):
     return 0
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+    """The command line of `keras-dist`."""
     parser = argparse.ArgumentParser(prog="keras-dist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     launch = commands.add_parser("launch", help="run a script as processes on this machine, or on several with --nnodes")
@@ -111,7 +112,11 @@ def main(argv=None):
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
     info = commands.add_parser("info", help="what keras_dist detects in this process")
     info.add_argument("--topology", action="store_true", help="also start the backend and report rank and size")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     try:
         return _launch(args) if args.command == "launch" else _info(args)
     except KerasDistError as exc:
