@@ -35,7 +35,6 @@ WORKER = WORKERS / "fault_matrix.py"
 CHAIN = [
     ("kill", "mid_epoch", 1),
     ("kill", "save", 0),
-    ("kill", "evaluate", 1),
     ("freeze", "mid_epoch", 1),
     ("freeze", "evaluate", 0),
 ]
