@@ -10,8 +10,10 @@ MODE:
                gradients); for PyTorch a `torch.nn` model under DistributedDataParallel,
                or under horovodrun Horovod's DistributedOptimizer
 
-The model is the bench's MLP (784-1024-1024-10, SGD, batch 128 per replica, 60 batches
-per process and epoch, NumPy input, unshuffled). `BENCH_THREADS` sets the intra-op
+MODEL: the bench's MLP (784-1024-1024-10, batch 128 per replica, 60 batches per process
+and epoch) or its CNN (bench/models.py; batch 64, 20 batches; PyTorch only for
+`handwritten`, where DDP wraps the same Keras network, a `torch.nn.Module` on that
+backend). SGD, NumPy input, unshuffled. `BENCH_THREADS` sets the intra-op
 threads of each process. Measuring is bench/windows.py's; every process prints one
 `BENCH {json}` line.
 """
@@ -22,7 +24,7 @@ import sys
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["plain", "keras_dist", "handwritten"])
-parser.add_argument("model", help="bench/run.py's model name (always the MLP here)")
+parser.add_argument("model", choices=["mlp", "cnn"])
 parser.add_argument("--window", type=float, required=True)
 parser.add_argument("--windows", type=int, required=True)
 parser.add_argument("--sync")
@@ -30,6 +32,8 @@ parser.add_argument("--data", help="unused (bench/run.py passes it to every work
 args = parser.parse_args()
 
 BACKEND = os.environ["KERAS_BACKEND"]
+if args.mode == "handwritten" and BACKEND == "jax" and args.model == "cnn":
+    parser.error("the hand-written JAX step is the MLP's only")
 THREADS = int(os.environ.get("BENCH_THREADS", "1"))
 if BACKEND == "jax":  # before JAX starts
     os.environ["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={THREADS}"
@@ -37,6 +41,7 @@ if BACKEND == "jax":  # before JAX starts
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import CNN_BATCH, CNN_INPUT, CNN_STEPS, cnn_layers  # noqa: E402
 from windows import Windows  # noqa: E402
 
 if args.mode == "keras_dist":
@@ -46,12 +51,22 @@ if BACKEND == "torch":
 
     torch.set_num_threads(THREADS)
 
-BATCH, STEPS, UNITS = 128, 60, (784, 1024, 1024, 10)
+UNITS = (784, 1024, 1024, 10)
+CNN = args.model == "cnn"
+BATCH, STEPS, SHAPE = (CNN_BATCH, CNN_STEPS, CNN_INPUT) if CNN else (128, 60, UNITS[:1])
 
 
 def arrays(count):
     rng = np.random.default_rng(0)
-    return rng.random((count, UNITS[0]), dtype=np.float32), rng.integers(0, UNITS[-1], count).astype("int32")
+    return rng.random((count, *SHAPE), dtype=np.float32), rng.integers(0, UNITS[-1], count).astype("int32")
+
+
+def keras_model():
+    import keras
+
+    hidden = cnn_layers() if CNN else [keras.layers.Dense(UNITS[1], activation="relu"),
+                                       keras.layers.Dense(UNITS[2], activation="relu"), keras.layers.Dense(UNITS[3])]
+    return keras.Sequential([keras.Input(SHAPE), *hidden])
 
 
 def keras_run(rank, size, windows, compile_model):
@@ -63,8 +78,7 @@ def keras_run(rank, size, windows, compile_model):
                 self.model.stop_training = True
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((UNITS[0],)), keras.layers.Dense(UNITS[1], activation="relu"),
-                              keras.layers.Dense(UNITS[2], activation="relu"), keras.layers.Dense(UNITS[3])])
+    model = keras_model()
     compile_model(model, optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = arrays(STEPS * BATCH * size)
@@ -133,10 +147,13 @@ def torch_handwritten(windows_for):
         dist.init_process_group("gloo")  # torchrun's variables, set by keras_dist's launcher
         rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    layers = []
-    for i, (fan_in, fan_out) in enumerate(zip(UNITS[:-1], UNITS[1:])):
-        layers += [torch.nn.Linear(fan_in, fan_out)] + ([torch.nn.ReLU()] if i < len(UNITS) - 2 else [])
-    model = torch.nn.Sequential(*layers)
+    if CNN:
+        model = keras_model()  # on Keras's torch backend a torch.nn.Module with its variables as parameters
+    else:
+        layers = []
+        for i, (fan_in, fan_out) in enumerate(zip(UNITS[:-1], UNITS[1:])):
+            layers += [torch.nn.Linear(fan_in, fan_out)] + ([torch.nn.ReLU()] if i < len(UNITS) - 2 else [])
+        model = torch.nn.Sequential(*layers)
     if on_horovod:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),

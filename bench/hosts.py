@@ -9,13 +9,20 @@ and every link limited with `tc tbf` to --rate. Horovod configurations run under
 bench/worker.py measuring windows as bench/run.py does (medians over windows,
 configurations alternated round by round, CPU-seconds per sample summed over ranks).
 
+Keras on PyTorch and JAX (bench/backend_worker.py; the JAX reference on the MLP only) run under
+`keras-dist launch --backend B --nnodes 2 --node-rank I --master-addr node0` on each host.
+
 Configurations (processes x 1 core):
   plain_1                  Keras `fit`, one process on the first host: the compute rate
   keras_dist_2             the two-line change on Horovod (bucketed, overlapped all-reduce)
-  keras_dist_2_bN          the same with KERAS_DIST_BUCKET_BYTES = N MiB (--buckets)
+  keras_dist_2_bN          the same with KERAS_DIST_BUCKET_BYTES = N MiB (--buckets; also torch_keras_dist_2_bN)
   keras_dist_fp16_2        the same with gradient_compression="fp16"
   handwritten_2            hand-written Horovod loop, one grouped all-reduce after backward
   handwritten_per_tensor_2 hand-written Horovod loop, one all-reduce per gradient tensor
+  torch_plain_1, jax_plain_1          Keras `fit` on that Keras backend, one process
+  torch_keras_dist_2, jax_keras_dist_2  the two-line change on that Keras backend
+  torch_ddp_2              a `torch.nn` MLP under DistributedDataParallel (gloo)
+  jax_sharded_jit_2        a jitted JAX step whose batch is sharded over both processes
 
 Reported per model: samples/s (both hosts), CPU-s/sample, scaling efficiency (samples/s
 over twice plain_1) and the overlap limit: two hosts whose per-step compute (from
@@ -38,6 +45,7 @@ from hostbed import HostBed  # noqa: E402
 
 PYTHON = sys.executable
 HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
+KERAS_DIST = str(Path(PYTHON).parent / "keras-dist")
 BATCH = {"cnn": 64, "mlp": 128}  # bench/worker.py's
 PORT = 29900
 
@@ -49,7 +57,20 @@ def configs(buckets):
              "handwritten_per_tensor_2": ("handwritten_per_tensor", "horovod", {})}
     for mib in buckets:
         found[f"keras_dist_2_b{mib:g}"] = ("keras_dist", "horovod", {"KERAS_DIST_BUCKET_BYTES": str(int(mib * 2**20))})
+    for backend, reference in (("torch", "ddp"), ("jax", "sharded_jit")):
+        env = {"KERAS_BACKEND": backend, "BENCH_THREADS": "1"}
+        if backend == "torch":
+            for mib in buckets:
+                found[f"torch_keras_dist_2_b{mib:g}"] = ("keras_dist", "torch",
+                                                         {**env, "KERAS_DIST_BUCKET_BYTES": str(int(mib * 2**20))})
+        found.update({f"{backend}_plain_1": ("plain", None, env), f"{backend}_keras_dist_2": ("keras_dist", backend, env),
+                      f"{backend}_{reference}_2": ("handwritten", backend, env)})
     return found
+
+
+def family(name):
+    """The configurations' Keras backend prefix ("" for TensorFlow): its rows share one plain_1."""
+    return next((prefix for prefix in ("torch_", "jax_") if name.startswith(prefix)), "")
 
 
 def link_bytes_per_s(bed, seconds=4.0):
@@ -72,20 +93,28 @@ def launch(bed, model, config, args):
     mode, launcher, env = config
     sync = Path(bed.root) / f"sync-{time.monotonic_ns()}"
     sync.mkdir()
-    argv = [PYTHON, HERE / "worker.py", mode, model, "--window", args.window, "--windows", args.windows,
-            "--sync", sync]
+    worker = HERE / ("backend_worker.py" if "KERAS_BACKEND" in env else "worker.py")
+    argv = [PYTHON, worker, mode, model, "--window", args.window, "--windows", args.windows, "--sync", sync]
     if launcher == "horovod":
-        argv = [HOROVODRUN, "-np", 2, "-H", "node0:1,node1:1", "--gloo", *argv]
+        commands = [[HOROVODRUN, "-np", 2, "-H", "node0:1,node1:1", "--gloo", *argv]]
+    elif launcher:  # one `keras-dist launch` per machine, as a user runs it
+        commands = [[KERAS_DIST, "launch", "--backend", launcher, "-n", 1, "--nnodes", 2, "--node-rank", i,
+                     "--master-addr", "node0", *argv[1:]] for i in range(2)]
+    else:
+        commands = [argv]
     base = {**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, "TF_CPP_MIN_LOG_LEVEL": "2",
             "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
-    process = bed.start(bed.hosts[0], argv, env={**base, **env})
+    processes = [bed.start(host, command, env={**base, **env}) for host, command in zip(bed.hosts, commands)]
+    deadline = time.monotonic() + args.window * args.windows * 4 + 180
     try:
-        process.wait(timeout=args.window * args.windows * 4 + 180)
+        for process in processes:
+            process.wait(timeout=max(1, deadline - time.monotonic()))
     finally:
-        bed.signal(bed.hosts[0], 9) if process.poll() is None else None
-    output = bed.output(process)
+        for host, process in zip(bed.hosts, processes):
+            bed.signal(host, 9) if process.poll() is None else None
+    output = "".join(bed.output(process) for process in processes)
     reports = [json.loads(line.split("BENCH ", 1)[1]) for line in output.splitlines() if "BENCH " in line]
-    if process.returncode != 0 or len(reports) != (2 if launcher else 1):
+    if any(process.returncode != 0 for process in processes) or len(reports) != (2 if launcher else 1):
         raise RuntimeError(f"{model}/{mode} failed: {output[-2000:]}")
     windows = []
     for i in range(args.windows):
@@ -117,24 +146,28 @@ def main():
         for round_ in range(args.rounds):
             for model in models:
                 for name, config in chosen.items():
+                    if name == "jax_sharded_jit_2" and model != "mlp":  # bench/backend_worker.py's MLP only
+                        continue
                     windows, params[model] = launch(bed, model, config, args)
                     figures[model][name] += windows
                     print(f"round {round_} {model}/{name}: " + ", ".join(f"{s:.0f}/s" for s, _ in windows), flush=True)
     summary = {"rate": args.rate, "link_bytes_per_s": link, "models": {}}
     for model in models:
         rows = {name: {"samples_per_s": statistics.median(s for s, _ in w),
-                       "cpu_s_per_sample": statistics.median(c for _, c in w)} for name, w in figures[model].items()}
-        limit = None
-        if "plain_1" in rows:
-            compute = BATCH[model] / rows["plain_1"]["samples_per_s"]  # seconds per step on one core
+                       "cpu_s_per_sample": statistics.median(c for _, c in w)} for name, w in figures[model].items() if w}
+        limits = {}
+        for name, row in rows.items():
+            plain = rows.get(family(name) + "plain_1")
+            if plain is None:
+                continue
+            compute = BATCH[model] / plain["samples_per_s"]  # seconds per step on one core
             transfer = params[model] * 4 / link  # gradient bytes once each way per step
-            limit = 2 * BATCH[model] / max(compute, transfer)
-            for row in rows.values():
-                row["efficiency"] = row["samples_per_s"] / (2 * rows["plain_1"]["samples_per_s"])
-                row["of_limit"] = row["samples_per_s"] / limit
-        summary["models"][model] = {"params": params[model], "overlap_limit": limit, "configs": rows}
-        print(f"\n{model}: {params[model]} parameters, {params[model] * 4 / 1e6:.1f} MB of gradients; "
-              f"overlap limit {limit and round(limit)} samples/s")
+            limits[family(name)] = limit = 2 * BATCH[model] / max(compute, transfer)
+            row["efficiency"] = row["samples_per_s"] / (2 * plain["samples_per_s"])
+            row["of_limit"] = row["samples_per_s"] / limit
+        summary["models"][model] = {"params": params[model], "overlap_limits": limits, "configs": rows}
+        print(f"\n{model}: {params[model]} parameters, {params[model] * 4 / 1e6:.1f} MB of gradients; overlap limit "
+              + ", ".join(f"{prefix or 'tensorflow_'}{round(limit)}" for prefix, limit in limits.items()) + " samples/s")
         print(f"{'configuration':26} {'samples/s':>10} {'CPU-ms/sample':>14} {'efficiency':>11} {'of limit':>9}")
         for name, row in rows.items():
             print(f"{name:26} {row['samples_per_s']:10.0f} {row['cpu_s_per_sample'] * 1e3:14.3f} "

@@ -54,22 +54,17 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdata  # noqa: E402  (beside this file)
+from models import CNN_BATCH, CNN_INPUT, CNN_STEPS, cnn_layers  # noqa: E402
 from windows import Windows  # noqa: E402
 
 if mode == "handwritten_mwms":  # collective ops must be configured before any TF op runs
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 
-def cnn_layers():
-    return [keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.Conv2D(64, 3, activation="relu"),
-            keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(), keras.layers.Dense(172, activation="relu"), keras.layers.Dense(10)]
-
-
 EMBEDDING_ROWS = 100000
 MODELS = {
     # name: (input shape, per-replica batch, layers, batches per process and epoch; None: the tf.data pipeline)
-    "cnn": ((32, 32, 3), 64, cnn_layers, 20),
+    "cnn": (CNN_INPUT, CNN_BATCH, cnn_layers, CNN_STEPS),
     "mlp": ((784,), 128, lambda: [
         keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)],
         60),

@@ -48,15 +48,19 @@ def bucket_bytes(default: int) -> int:
     return int(os.environ.get(BUCKET_BYTES_VAR) or default)
 
 
-def buckets(sizes: list[int], dtypes: list, limit: int) -> list[list[int]]:
-    """Indices of consecutive tensors in runs of one dtype and at most `limit` bytes each.
+def buckets(sizes: list[int], dtypes: list, limit: int, first: int | None = None) -> list[list[int]]:
+    """Indices of consecutive tensors in runs of one dtype, each closed once it holds `limit` bytes.
 
-    `sizes` and `dtypes` describe the tensors in the order their collectives start; a
-    tensor larger than `limit` is a run of its own.
+    `sizes` and `dtypes` describe the tensors in the order their collectives start. As in
+    DDP's bucket assignment, the tensor that reaches the limit joins the run, so a large
+    tensor goes out with the small ones ready before it; 0 makes every tensor a run. `first`
+    is the first run's limit instead: DDP's first bucket is 1 MiB, so that communication
+    starts early in the backward pass.
     """
     runs, total = [], 0
     for i, (nbytes, dtype) in enumerate(zip(sizes, dtypes)):
-        if runs and dtype == dtypes[runs[-1][-1]] and total + nbytes <= limit:
+        cap = first if first is not None and len(runs) == 1 else limit
+        if runs and dtype == dtypes[runs[-1][-1]] and total < cap:
             runs[-1].append(i)
             total += nbytes
         else:

@@ -33,6 +33,9 @@ from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, 
 
 # Gradients travel in flat buckets of about this size: few collectives, bounded copies.
 BUCKET_BYTES = 25 * 2**20
+# DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): the last layers'
+# gradients go out while the backward pass goes on, even for a model under 25 MiB.
+FIRST_BUCKET_BYTES = 2**20
 # After a collective failed, how long each process waits for the others to say they saw
 # it fail too: those that do not are the ones that stopped (their machine frozen or gone).
 PEERS_SECONDS = 3.0
@@ -382,9 +385,12 @@ def _destroy_process_group(dist):
         dist.destroy_process_group()
 
 
-def tensor_buckets(tensors):
-    """`tensors` in consecutive runs of one dtype and at most `bucket_bytes()` (one tensor may exceed it)."""
-    runs = buckets([t.numel() * t.element_size() for t in tensors], [t.dtype for t in tensors], bucket_bytes(BUCKET_BYTES))
+def tensor_buckets(tensors, first: int | None = None):
+    """`tensors` in consecutive runs of one dtype of about `bucket_bytes()` (`buckets`); the first run
+    of about `first` bytes where the user chose no bucket size."""
+    limit = bucket_bytes(BUCKET_BYTES)
+    runs = buckets([t.numel() * t.element_size() for t in tensors], [t.dtype for t in tensors], limit,
+                   first if limit == BUCKET_BYTES else None)
     return [[tensors[i] for i in run] for run in runs]
 
 
@@ -410,7 +416,7 @@ class OverlappedGradients:
         self.strategy, self.options, self.name = strategy, options, name
         self.params = [v.value for v in variables][::-1]
         self.buckets = []  # lists of indices into params
-        for run in tensor_buckets(self.params):
+        for run in tensor_buckets(self.params, first=FIRST_BUCKET_BYTES):
             start = sum(len(b) for b in self.buckets)
             self.buckets.append(list(range(start, start + len(run))))
         self.bucket_of = [k for k, bucket in enumerate(self.buckets) for _ in bucket]
