@@ -140,7 +140,10 @@ class _PeerWatch:
         interval, count = self._timeout / 6, 0
         while not self._done.wait(interval):
             count += 1
-            self._client.key_value_set(f"keras_dist/beat/{self._rank}", str(count), allow_overwrite=True)
+            try:
+                self._client.key_value_set(f"keras_dist/beat/{self._rank}", str(count), allow_overwrite=True)
+            except Exception:  # the coordinator stopped answering: `_check` says so, in one line
+                continue
             for rank, (last, _) in list(self._seen.items()):
                 with contextlib.suppress(Exception):  # not beaten yet
                     beat = self._client.key_value_try_get(f"keras_dist/beat/{rank}")
