@@ -118,7 +118,7 @@ class _PeerWatch:
     DONE = "done"
 
     def __init__(self, client, rank: int, size: int, timeout: float):
-        self._client, self._rank, self._size, self._timeout = client, rank, size, timeout
+        self._client, self._rank, self._timeout = client, rank, timeout
         client.key_value_set(f"keras_dist/host/{rank}", socket.gethostname())
         self._hosts = [client.blocking_key_value_get(f"keras_dist/host/{r}", int(timeout * 1000)) for r in range(size)]
         now = time.monotonic()

@@ -9,9 +9,9 @@ import atexit
 import dataclasses
 import logging
 import os
-import sys
 import pickle
 import re
+import sys
 import weakref
 
 from keras_dist.strategies.base import InputPlan
