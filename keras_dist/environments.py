@@ -19,7 +19,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from keras_dist.errors import KerasDistError
@@ -153,15 +153,24 @@ def _rendezvous(environ):
     return addresses[0] if addresses else None
 
 
+@dataclass(frozen=True)
 class TFConfigEnvironment(ClusterEnvironment):
     """`TF_CONFIG` (tf.distribute's multi-worker and parameter-server jobs, `keras-dist launch`).
 
     The processes that train are the `chief` task, if any, then the `worker` tasks; a
     `ps` or `evaluator` task gets its index within its own kind and is never the chief.
     Processes are on the same machine when their addresses name the same host.
+
+    Args:
+        cluster: TF_CONFIG's cluster, `{task type: [host:port, ...]}`.
+        task_type: this process's task type ("chief", "worker", "ps", ...).
+        task_index: its index among the tasks of its type.
     """
 
     name = "tf_config"
+    cluster: dict = field(default_factory=dict, compare=False)
+    task_type: str = "worker"
+    task_index: int = 0
     TRAINERS = ("chief", "worker")
 
     @classmethod
@@ -183,7 +192,7 @@ class TFConfigEnvironment(ClusterEnvironment):
             # Not a trainer: a rank past the trainers', so that it is never the chief.
             rank += len(trainers)
         return cls(rank=rank, size=len(trainers), local_rank=same_host.index(me), local_size=len(same_host),
-                   coordinator=trainers[0] if trainers else None)
+                   coordinator=trainers[0] if trainers else None, cluster=cluster, task_type=kind, task_index=index)
 
 
 class TorchrunEnvironment(ClusterEnvironment):

@@ -2,7 +2,9 @@
 
 Every workaround names its upstream issue, changes one model instance only (never a
 Keras class), and has a test in `tests/` that asserts plain Keras still fails: when that
-test fails, upstream fixed the bug and the workaround can go.
+test fails, upstream fixed the bug and the workaround can go. Strategies declare the
+ones their models need (`TFDistributeStrategy.keras_workarounds`); nothing here asks
+which strategy it is.
 """
 
 import contextlib
@@ -14,27 +16,6 @@ from keras import tree
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from keras_dist.overrides import override, set_while
-
-
-def apply(model, strategy):
-    """Installs every workaround `strategy` needs on `model` (idempotent).
-
-    Args:
-        model: the `keras.Model` keras_dist is compiling.
-        strategy: the `tf.distribute.Strategy` it will train under.
-
-    Example:
-
-    ```python
-    keras_workarounds.apply(model, backend.strategy)
-    ```
-    """
-    build_from_local_batch(model, strategy)
-    if not isinstance(strategy, tf.distribute.TPUStrategy):
-        step_functions(model, strategy)
-    if isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
-        metric_increments_added_once(model)
-        layer_state_aggregated(model, strategy)
 
 
 def build_from_local_batch(model, strategy):
@@ -67,12 +48,12 @@ def build_from_local_batch(model, strategy):
     override(model, "_maybe_symbolic_build", _maybe_symbolic_build)
 
 
-def step_functions(model, strategy):
+def step_functions(model, strategy, *, scalar_logs: bool = False, skip_empty_batches: bool = False) -> None:
     """Builds the train and test functions with fixes for tf.distribute strategies.
 
-    1. Upstream: tensorflow/tensorflow#72388, keras-team/keras#20585. After each step
-       Keras reduces the logs with `strategy.reduce("MEAN", value, axis=0)`; under
-       MultiWorkerMirroredStrategy the logs are scalars and the step fails with
+    1. With `scalar_logs`. Upstream: tensorflow/tensorflow#72388, keras-team/keras#20585.
+       After each step Keras reduces the logs with `strategy.reduce("MEAN", value, axis=0)`;
+       under MultiWorkerMirroredStrategy the logs are scalars and the step fails with
        `Invalid reduction dimension 0 for input with 0 dimensions`. Scalars are
        averaged over replicas here (`axis=None`), other values as Keras does; a log
        that is a variable (a metric whose `result()` is its state) is read on each
@@ -82,7 +63,7 @@ def step_functions(model, strategy):
        cross-replica `merge_call` (the optimizer update) cannot sit in a conditional
        branch and the first call fails with `You must feed a value for placeholder
        tensor`. Here the condition is the `tf.while_loop` predicate, as in tf.keras.
-    3. Not an upstream bug: keras_dist feeds MultiWorkerMirroredStrategy open-ended
+    3. With `skip_empty_batches`. Not an upstream bug: keras_dist feeds MultiWorkerMirroredStrategy open-ended
        evaluation inputs, and its partial-batch handling gives a worker without data an
        empty batch, also in the final call that then ends the input. Keras's test step
        would count it (a multi-output model's per-output loss trackers add one update
@@ -95,10 +76,9 @@ def step_functions(model, strategy):
     from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
     keras_make_function = model._make_function
-    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
     def reduce_logs(outputs):
-        if not multi_worker:
+        if not scalar_logs:
             return reduce_per_replica(outputs, strategy, reduction="auto")
 
         def mean(value):
@@ -110,13 +90,13 @@ def step_functions(model, strategy):
     def _make_function(step_function):
         if model.run_eagerly:
             return keras_make_function(step_function)
-        skip_empty_batches = multi_worker and step_function == model.test_step and \
+        skip_empty = skip_empty_batches and step_function == model.test_step and \
             getattr(type(model).test_step, "__qualname__", "") == "TensorFlowTrainer.test_step"
 
         def replica_step(data):
             # A metric's `result()` may be its state variable, which strategy.run returns
             # as one mirrored value that cannot be reduced: read it on each replica instead.
-            if skip_empty_batches:
+            if skip_empty:
                 rows = tf.shape(next(t for t in tree.flatten(data) if t is not None))[0]
                 return tf.cond(rows > 0, lambda: tree.map_structure(_read_variable, step_function(data)),
                                lambda: tree.map_structure(_read_variable, model.get_metrics_result()))
@@ -162,23 +142,44 @@ def losses_not_divided(strategy):
     its logged loss back. A custom `train_step` that logs `tracker.update_state(loss)`
     (Keras's guide) then logs 1/N of the loss, and one that computes its loss with plain
     ops gets N times the gradient. keras_dist's MultiWorkerMirrored and Mirrored
-    strategies (`tf_strategy.with_undivided_losses`) report one replica while a step is
-    traced, so losses stay as one process computes them, and their optimizers divide
-    each replica's gradients by the replica count instead. Other strategies are left as
+    strategies (`with_undivided_losses`) report one replica while a step is traced, so
+    losses stay as one process computes them, and their optimizers divide each
+    replica's gradients by the replica count instead. Other strategies are left as
     they are.
     """
-    from keras_dist.strategies.tf_strategy import UNDIVIDED_LOSSES
-
     if not hasattr(strategy, UNDIVIDED_LOSSES):
         return contextlib.nullcontext()
     return set_while(strategy, UNDIVIDED_LOSSES, True)
+
+
+# The attribute of a strategy made by `with_undivided_losses`.
+UNDIVIDED_LOSSES = "keras_dist_one_replica_for_losses"
+
+
+def with_undivided_losses(strategy_class: type) -> type:
+    """`strategy_class` with a switch that makes it report one replica while set.
+
+    Keras divides every loss by `num_replicas_in_sync` inside a step; keras_dist sets the
+    switch while it traces a step (`losses_not_divided`), so losses and their logs are
+    one process's, and divides each replica's gradients instead
+    (`TFDistributeStrategy.distribute_optimizer`).
+    """
+
+    class UndividedLosses(strategy_class):
+        @property
+        def num_replicas_in_sync(self):
+            return 1 if getattr(self, UNDIVIDED_LOSSES) else super().num_replicas_in_sync
+
+    setattr(UndividedLosses, UNDIVIDED_LOSSES, False)
+    UndividedLosses.__name__ = strategy_class.__name__
+    return UndividedLosses
 
 
 def _read_variable(value):
     return tf.convert_to_tensor(value) if isinstance(value, (tf.Variable, keras.Variable)) else value
 
 
-def metric_increments_added_once(model):
+def metric_increments_added_once(model, strategy=None):
     """Makes metric states add each replica's increment once under CentralStorageStrategy.
 
     Upstream: keras-team/keras#21054 (metric states wrong under tf.distribute). Keras 3
@@ -194,6 +195,7 @@ def metric_increments_added_once(model):
         model: the model; its `_make_function` is wrapped on this instance only, to
             reach metric variables built after compile (Keras builds them before it
             makes the step functions), and only those variables are changed.
+        strategy: unused; every workaround a strategy declares takes (model, strategy).
     """
     make_function = model._make_function
 

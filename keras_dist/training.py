@@ -19,9 +19,9 @@ import warnings
 
 import keras
 import numpy as np
-from keras import tree
 
 from keras_dist import inputs, optimizer_hooks
+from keras_dist.logs import flat_logs, metric_results
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck
@@ -184,40 +184,6 @@ class DistributedTraining:
 
     def _flag(self, name):
         return set_while(self, name, True)
-
-
-def flat_logs(logs):
-    """Logs with nested dicts (a `CompileMetrics` result) merged in, as Keras shows them."""
-    flat = {}
-    for name, value in logs.items():
-        if isinstance(value, dict):
-            flat.update(flat_logs(value))
-        else:
-            flat[name] = value
-    return flat
-
-
-def metric_results(metrics, states):
-    """`{name: value}` of `metrics` computed from `states`, their variables' values in order.
-
-    Args:
-        metrics: `model.metrics`.
-        states: one value per metric variable, e.g. states summed over replicas.
-    """
-    states = list(states)
-    results = {}
-    for metric in metrics:
-        count = len(metric.variables)
-        own, states = states[:count], states[count:]
-        result = metric.stateless_result(own)
-        # A `result()` that returns a state variable itself escapes stateless_result's mapping.
-        by_variable = {id(v): value for v, value in zip(metric.variables, own)}
-        result = tree.map_structure(lambda r: by_variable.get(id(r), r), result)
-        if isinstance(result, dict):
-            results.update(result)
-        else:
-            results[metric.name] = result
-    return results
 
 
 def _read(arguments: dict, steps: str) -> inputs.Inputs:

@@ -7,11 +7,14 @@ disk, and is then renamed over the real name, which a rename replaces whole or n
 all. Only the callback instance is changed (its `_save_model` and `on_train_begin`).
 """
 
+import logging
 import os
 
 import keras
 
 from keras_dist.overrides import override
+
+logger = logging.getLogger("keras_dist")
 
 _PARTIAL = ".keras_dist-partial-"
 _STAGED = ".keras_dist-staged"
@@ -96,8 +99,8 @@ def _atomic_backup(callback):
         except OSError as exc:  # h5py's error for a truncated file
             if not os.path.exists(callback._weights_path):
                 raise
-            print(f"keras_dist: {callback._weights_path} cannot be read ({type(exc).__name__}), left by a crash "
-                  "during an earlier save; it is moved aside and training starts from the last good state", flush=True)
+            logger.warning("keras_dist: %s cannot be read (%s), left by a crash during an earlier save; it is moved "
+                           "aside and training starts from the last good state", callback._weights_path, type(exc).__name__)
             for path in (callback._weights_path, callback._training_metadata_path):
                 if os.path.exists(path):
                     os.replace(path, path + ".unreadable")

@@ -1,6 +1,7 @@
 """Linear learning-rate warmup for large global batches."""
 
 import keras
+from keras.src.utils import io_utils
 
 
 class LearningRateWarmup(keras.callbacks.Callback):
@@ -65,4 +66,4 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self.model.optimizer.learning_rate = self._target * factor
         self._done = progress >= 1.0
         if self._done and self.verbose and self._is_chief:
-            print(f"LearningRateWarmup: learning rate reached {self._target:g}")
+            io_utils.print_msg(f"LearningRateWarmup: learning rate reached {self._target:g}")

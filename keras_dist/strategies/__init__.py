@@ -78,13 +78,14 @@ def select(requested=None, environ=None):
     return "single", "no launcher detected"
 
 
-def create(name, **options):
-    """A started backend; `options` go to its constructor (e.g. `tpu=` for `tpu`)."""
+def create(name, environ=None, **options):
+    """A started backend, given its cluster environment read from `environ` (default:
+    `os.environ`); `options` go to its constructor (e.g. `tpu=` for `tpu`)."""
     cls = strategy_class(name)
-    unknown = set(options) - set(inspect.signature(cls.__init__).parameters)
+    unknown = set(options) - (set(inspect.signature(cls.__init__).parameters) - {"environment"})
     if unknown:
         raise KerasDistError(f"backend {name!r} takes no option {', '.join(sorted(unknown))}; remove it from keras_dist.init")
-    return cls(**options)
+    return cls(cls.cluster_environment(os.environ if environ is None else environ), **options)
 
 
 def local_cluster(name, num_workers, num_ps, argv, nodes=None):

@@ -21,6 +21,9 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
+from keras_dist import environments
+from keras_dist.environments import ClusterEnvironment, LocalEnvironment
+
 
 @dataclass(frozen=True)
 class GradientOptions:
@@ -98,6 +101,11 @@ class Strategy(abc.ABC):
     and `KERAS_DIST_BACKEND` pick one by `name`. Process topology is in processes (`rank`,
     `size`); `num_replicas` counts model replicas, which is larger than `size` when one
     process drives several devices.
+
+    Args:
+        environment: this process's place in its job, as its launcher set it
+            (`cluster_environment`); strategies read it instead of the environment
+            variables. Single-process strategies keep `rank` 0 and `size` 1 whatever it says.
     """
 
     name: ClassVar[str] = ""
@@ -116,10 +124,18 @@ class Strategy(abc.ABC):
     # strategy's own (parameter servers), which then read epoch logs themselves.
     runs_keras_loops: ClassVar[bool] = True
 
+    def __init__(self, environment: ClusterEnvironment | None = None):
+        self.environment = environment or LocalEnvironment()
+
     @classmethod
     def detect(cls, environ) -> bool:
         """Whether the process was started by a launcher this strategy trains under."""
         return False
+
+    @classmethod
+    def cluster_environment(cls, environ) -> ClusterEnvironment:
+        """This process's place in its job, read from `environ`: the launcher's that started it."""
+        return environments.detect(environ)
 
     @classmethod
     def prepare_process(cls, environ) -> None:
@@ -140,7 +156,7 @@ class Strategy(abc.ABC):
 
     @property
     def local_rank(self) -> int:
-        return 0
+        return self.environment.local_rank if self.size > 1 else 0
 
     @property
     def is_chief(self) -> bool:

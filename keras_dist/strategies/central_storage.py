@@ -1,5 +1,6 @@
 """`tf.distribute.experimental.CentralStorageStrategy`: variables on the CPU, compute on every local device."""
 
+from keras_dist import keras_workarounds
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy, local_replica_devices
 
 
@@ -21,6 +22,8 @@ class CentralStorageStrategy(TFDistributeStrategy):
     """
 
     name = "central_storage"
+    keras_workarounds = TFDistributeStrategy.keras_workarounds + (keras_workarounds.metric_increments_added_once,
+                                                                  keras_workarounds.layer_state_aggregated)
 
     def make_strategy(self):
         import tensorflow as tf

@@ -51,11 +51,16 @@ class HorovodStrategy(Strategy):
     def prepare_process(cls, environ) -> None:
         # N processes on one host would each start a thread pool as wide as the machine;
         # give each its share of the cores unless the user chose.
-        local_size = MPIEnvironment.from_environ(environ).local_size
+        local_size = cls.cluster_environment(environ).local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_size))
 
-    def __init__(self):
+    @classmethod
+    def cluster_environment(cls, environ) -> MPIEnvironment:
+        return MPIEnvironment.from_environ(environ)
+
+    def __init__(self, environment: MPIEnvironment | None = None):
+        super().__init__(environment)
         self._hvd = _import_horovod()
         self._hvd.init()
         self._names = itertools.count()

@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 from keras_dist import environments, network, timeouts
+from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override
@@ -209,7 +210,8 @@ class JaxDataParallelStrategy(Strategy):
     def prepare_process(cls, environ) -> None:
         _start_process_group(environ)
 
-    def __init__(self):
+    def __init__(self, environment: ClusterEnvironment | None = None):
+        super().__init__(environment)
         if keras.backend.backend() != "jax":
             raise KerasDistError(f"backend 'jax' needs Keras on JAX, but Keras runs on {keras.backend.backend()!r}; "
                                  "set KERAS_BACKEND=jax before Python starts")
@@ -217,7 +219,6 @@ class JaxDataParallelStrategy(Strategy):
 
         _start_process_group(os.environ)
         self._jax = jax
-        self._local_rank = environments.detect(os.environ).local_rank
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
         keras.distribution.set_distribution(self.distribution)
         self._local_depth = 0
@@ -229,10 +230,6 @@ class JaxDataParallelStrategy(Strategy):
     @property
     def size(self) -> int:
         return self._jax.process_count()
-
-    @property
-    def local_rank(self) -> int:
-        return self._local_rank
 
     @property
     def num_replicas(self) -> int:

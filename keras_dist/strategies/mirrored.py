@@ -1,7 +1,8 @@
 """`tf.distribute.MirroredStrategy`: one process, one replica per local GPU (or CPU device)."""
 
 
-from keras_dist.strategies.tf_strategy import TFDistributeStrategy, local_replica_devices, with_undivided_losses
+from keras_dist.keras_workarounds import with_undivided_losses
+from keras_dist.strategies.tf_strategy import TFDistributeStrategy, local_replica_devices
 
 
 def _visible_gpu_count(environ):

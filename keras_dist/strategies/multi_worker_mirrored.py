@@ -7,6 +7,7 @@ replica its own batches.
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -14,13 +15,14 @@ import re
 import sys
 import weakref
 
+from keras_dist import keras_workarounds
 from keras_dist.strategies.base import InputPlan
-from keras_dist.strategies.tf_strategy import TFDistributeStrategy, with_undivided_losses
+from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.callbacks.scratch import ScratchCallback
 from keras_dist.environments import TFConfigEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
-from keras_dist.tf_cluster import detected_cluster, parse_tf_config, prepare_server_process
+from keras_dist.tf_cluster import detected_cluster, prepare_server_process
 
 # Created by `prepare_process`: collective ops must be configured at program start-up.
 _strategy = None
@@ -40,6 +42,8 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
     name = "multi_worker_mirrored"
     shares_random_seed = True
     launcher = "tf_config"
+    keras_workarounds = (keras_workarounds.build_from_local_batch,
+                         functools.partial(keras_workarounds.step_functions, scalar_logs=True, skip_empty_batches=True))
 
     @classmethod
     def detect(cls, environ) -> bool:
@@ -49,7 +53,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
     @classmethod
     def prepare_process(cls, environ) -> None:
         global _strategy
-        local_size = TFConfigEnvironment.from_environ(environ).local_size
+        local_size = cls.cluster_environment(environ).local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             # Workers sharing this machine would each size a thread pool for all of it.
             environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_size))
@@ -57,13 +61,15 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
             prepare_server_process(environ)
             _strategy = _make_strategy()
 
-    def __init__(self):
-        environment = TFConfigEnvironment.from_environ(os.environ)
+    @classmethod
+    def cluster_environment(cls, environ) -> TFConfigEnvironment:
+        return TFConfigEnvironment.from_environ(environ)
+
+    def __init__(self, environment: TFConfigEnvironment):
         if environment.rank >= environment.size:
-            kind = parse_tf_config(os.environ["TF_CONFIG"])[1]
-            raise KerasDistError(f"TF_CONFIG task {kind!r} does not train under backend 'multi_worker_mirrored'; run it as a 'worker'")
-        self._rank, self._size = environment.rank, environment.size
-        super().__init__()
+            raise KerasDistError(f"TF_CONFIG task {environment.task_type!r} does not train under backend "
+                                 "'multi_worker_mirrored'; run it as a 'worker'")
+        super().__init__(environment)
 
     def make_strategy(self):
         return _strategy if _strategy is not None else _make_strategy()
@@ -83,7 +89,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         try:
             return super().run_loop(method, model, keras_method, arguments)
         except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as exc:
-            stopped = _stopped_task(str(exc), parse_tf_config(os.environ["TF_CONFIG"])[0])
+            stopped = _stopped_task(str(exc), self.environment.cluster)
             if stopped is None:
                 raise
             # TensorFlow's teardown would wait for the lost task, 10 s at a time ("restart
@@ -94,11 +100,11 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
 
     @property
     def rank(self) -> int:
-        return self._rank
+        return self.environment.rank
 
     @property
     def size(self) -> int:
-        return self._size
+        return self.environment.size
 
     # --- host-side collectives, built on the strategy's all-reduce ------------
     def _sum(self, array):
@@ -239,6 +245,8 @@ def predict_locally(model, strategy):
 
 def _make_strategy():
     import tensorflow as tf
+
+    from keras_dist.keras_workarounds import with_undivided_losses
 
     class PreShardedMultiWorkerMirroredStrategy(with_undivided_losses(tf.distribute.MultiWorkerMirroredStrategy)):
         """Takes each worker's dataset as that worker's shard (keras_dist split it).

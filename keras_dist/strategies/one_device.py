@@ -1,6 +1,7 @@
 """`tf.distribute.OneDeviceStrategy`: one process, one replica, on a device of your choice."""
 
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
+from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
 
 
@@ -25,9 +26,9 @@ class OneDeviceStrategy(TFDistributeStrategy):
 
     name = "one_device"
 
-    def __init__(self, device=None):
+    def __init__(self, environment: ClusterEnvironment | None = None, device: str | None = None):
         self.requested_device = device  # keras_dist.init(backend="one_device", device=...)
-        super().__init__()
+        super().__init__(environment)
 
     def make_strategy(self):
         import tensorflow as tf

@@ -5,10 +5,15 @@ these backends hand out `strategy.scope()` and say how inputs are split; keras_d
 no reduction of its own (`reduces_in_keras_dist` stays False).
 """
 
+from typing import Callable, ClassVar
+
 import tensorflow as tf
 
-from keras_dist.strategies.base import Strategy, GradientOptions
+from keras_dist import keras_workarounds
+from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
+from keras_dist.keras_workarounds import UNDIVIDED_LOSSES
+from keras_dist.strategies.base import Strategy, GradientOptions
 
 
 class TFDistributeStrategy(Strategy):
@@ -18,7 +23,13 @@ class TFDistributeStrategy(Strategy):
     `size` 1 and feed `num_replicas` replicas from one input pipeline.
     """
 
-    def __init__(self):
+    # What this strategy's models need from `keras_dist.keras_workarounds`, applied in
+    # order to each model it prepares: functions of (model, tf.distribute strategy).
+    keras_workarounds: ClassVar[tuple[Callable, ...]] = (keras_workarounds.build_from_local_batch,
+                                                        keras_workarounds.step_functions)
+
+    def __init__(self, environment: ClusterEnvironment | None = None):
+        super().__init__(environment)
         self.strategy = self.make_strategy()
 
     def make_strategy(self):
@@ -54,12 +65,11 @@ class TFDistributeStrategy(Strategy):
         current value, so the user's `model` object (and any reference to its layers or
         weights) stays valid.
         """
-        from keras_dist import keras_workarounds
-
         move_variables(model, self.strategy)
         # Keras reads the strategy from the model, set when it is built under a scope.
         object.__setattr__(model, "_distribute_strategy", self.strategy)
-        keras_workarounds.apply(model, self.strategy)
+        for workaround in self.keras_workarounds:
+            workaround(model, self.strategy)
         return model
 
     def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
@@ -79,29 +89,6 @@ class TFDistributeStrategy(Strategy):
 
     def describe(self) -> dict:
         return {**super().describe(), "strategy": type(self.strategy).__name__}
-
-
-# The attribute of a strategy made by `with_undivided_losses`; see
-# `keras_workarounds.losses_not_divided`.
-UNDIVIDED_LOSSES = "keras_dist_one_replica_for_losses"
-
-
-def with_undivided_losses(strategy_class):
-    """`strategy_class` with a switch that makes it report one replica while set.
-
-    Keras divides every loss by `num_replicas_in_sync` inside a step; keras_dist sets the
-    switch while it traces a step, so losses and their logs are one process's, and
-    divides each replica's gradients instead (`TFDistributeStrategy.distribute_optimizer`).
-    """
-
-    class UndividedLosses(strategy_class):
-        @property
-        def num_replicas_in_sync(self):
-            return 1 if getattr(self, UNDIVIDED_LOSSES) else super().num_replicas_in_sync
-
-    setattr(UndividedLosses, UNDIVIDED_LOSSES, False)
-    UndividedLosses.__name__ = strategy_class.__name__
-    return UndividedLosses
 
 
 def _divided(gradient, count):

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from keras_dist import environments, network, timeouts
+from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
@@ -53,8 +54,10 @@ class TorchDistributedStrategy(Strategy):
     def detect(cls, environ) -> bool:
         return environments.detect(environ).size > 1
 
-    def __init__(self):
+    def __init__(self, environment: ClusterEnvironment | None = None):
         import keras
+
+        super().__init__(environment)
 
         if keras.backend.backend() != "torch":
             raise KerasDistError(f"backend 'torch' needs Keras on PyTorch, but Keras runs on "
@@ -62,13 +65,12 @@ class TorchDistributedStrategy(Strategy):
         import torch
 
         self._torch = torch
-        environment = environments.detect(os.environ)
-        self._local_rank = environment.local_rank
+        environment = self.environment
         if environment.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             # Processes sharing this machine would each size a thread pool for all of it.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // environment.local_size))
         if torch.cuda.is_available() and environment.size > 1:
-            torch.cuda.set_device(self._local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(environment.local_rank % torch.cuda.device_count())
         self._collectives = _collectives(torch, environment)
         self.in_train_step = False  # gradient hooks start collectives only inside train steps
         # id(optimizer) -> its OverlappedGradients. Dropped at each compile, on every process
@@ -85,10 +87,6 @@ class TorchDistributedStrategy(Strategy):
     @property
     def size(self) -> int:
         return self._collectives.size
-
-    @property
-    def local_rank(self) -> int:
-        return self._local_rank
 
     # --- gradients --------------------------------------------------------------
     def prepare_model(self, model):

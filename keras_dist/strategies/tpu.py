@@ -2,7 +2,9 @@
 
 import glob
 
+from keras_dist import keras_workarounds
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
+from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
 
 # Steps run per host call unless the script sets `steps_per_execution` itself: a TPU
@@ -44,10 +46,12 @@ class TPUStrategy(TFDistributeStrategy):
     """
 
     name = "tpu"
+    # TPUStrategy runs Keras's own step functions (keras_workarounds.step_functions is for the others).
+    keras_workarounds = (keras_workarounds.build_from_local_batch,)
 
-    def __init__(self, tpu=None):
+    def __init__(self, environment: ClusterEnvironment | None = None, tpu: str | None = None):
         self.requested_tpu = tpu  # keras_dist.init(backend="tpu", tpu=...)
-        super().__init__()
+        super().__init__(environment)
 
     @classmethod
     def detect(cls, environ) -> bool:

@@ -14,6 +14,7 @@ from keras_dist.inputs import tf_data
 from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
 from keras_dist.errors import KerasDistError
+from keras_dist.logs import flat_logs, metric_results
 
 
 class CoordinatedSteps:
@@ -113,7 +114,6 @@ class CoordinatedSteps:
         step's logs, with the metrics' results where names match (a step's own states
         start at zero, so its values cover that step only).
         """
-        from keras_dist.training import flat_logs, metric_results
 
         states = [np.zeros(v.shape, v.dtype) for v in self._metric_variables()]
         for step_states, _ in fetched:

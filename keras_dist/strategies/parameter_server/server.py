@@ -63,7 +63,11 @@ def serve(cluster: dict, kind: str, index: int) -> int:
     """
     server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=kind, task_index=index,
                                   protocol="grpc", start=True)
-    print(f"keras_dist: {kind}:{index} serving at {cluster[kind][index]} for the chief", file=sys.stderr, flush=True)
+    # This process runs no script of the user's: keras_dist's messages are the ones it shows.
+    if not logger.handlers:
+        logger.addHandler(logging.StreamHandler())
+        logger.setLevel(logging.INFO)
+    logger.info("keras_dist: %s:%d serving at %s for the chief", kind, index, cluster[kind][index])
     note = _end_note(cluster, kind, index)
     _remove(note)  # left by an earlier job on the same ports, whose servers were killed
 

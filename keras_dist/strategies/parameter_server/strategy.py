@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import keras_workarounds, network, optimizer_hooks, timeouts
+from keras_dist.environments import TFConfigEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.strategies.base import GradientOptions, Strategy
 from keras_dist.strategies.parameter_server.loop import CoordinatedSteps
@@ -83,8 +84,14 @@ class ParameterServerStrategy(Strategy):
         tf.config.experimental_connect_to_cluster(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
                                                   job_name="chief")
 
-    def __init__(self, variable_partitioner=None, step_timeout=None):
-        cluster, kind, _ = ps_cluster(os.environ)
+    @classmethod
+    def cluster_environment(cls, environ) -> TFConfigEnvironment:
+        ps_cluster(environ)  # its one-line errors first
+        return TFConfigEnvironment.from_environ(environ)
+
+    def __init__(self, environment: TFConfigEnvironment, variable_partitioner=None, step_timeout: float | None = None):
+        super().__init__(environment)
+        cluster, kind = environment.cluster, environment.task_type
         self.step_timeout = timeouts.chosen(step_timeout)
         if kind != "chief":
             raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
