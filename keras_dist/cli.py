@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Sequence
 
 from keras_dist import strategies
 from keras_dist.errors import KerasDistError
@@ -115,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return _launch(args) if args.command == "launch" else _info(args)

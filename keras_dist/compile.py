@@ -1,5 +1,7 @@
 """`keras_dist.compile`: the one call that replaces `model.compile`."""
 
+from typing import Any, Literal
+
 import keras
 
 from keras_dist import optimizer_hooks, overrides, runtime, training
@@ -8,13 +10,13 @@ from keras_dist.errors import KerasDistError
 
 
 def compile(
-    model,
-    *args,
-    gradient_reduction="mean",
-    gradient_compression=None,
-    scale_learning_rate=False,
-    **kwargs,
-):
+    model: keras.Model,
+    *args: Any,
+    gradient_reduction: Literal["mean", "sum"] = "mean",
+    gradient_compression: Literal["fp16"] | None = None,
+    scale_learning_rate: bool = False,
+    **kwargs: Any,
+) -> None:
     """Compiles `model` for distributed training on the active backend.
 
     Takes the same arguments as `model.compile`. Afterwards the model's unchanged
@@ -91,9 +93,9 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
     def __call__(self, step):
         return self.schedule(step) * self.factor
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return {"schedule": keras.saving.serialize_keras_object(self.schedule), "factor": self.factor}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict) -> "ScaledSchedule":
         return cls(keras.saving.deserialize_keras_object(config["schedule"]), config["factor"])

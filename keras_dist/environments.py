@@ -19,6 +19,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -55,12 +56,12 @@ class ClusterEnvironment:
     REQUIRED: ClassVar[tuple] = ()
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         """Whether this environment's launcher started the process."""
         return all(name in environ for name in cls.REQUIRED)
 
     @classmethod
-    def from_environ(cls, environ) -> "ClusterEnvironment":
+    def from_environ(cls, environ: Mapping[str, str]) -> "ClusterEnvironment":
         """The process's place, read from `environ`; a one-line error names a bad value."""
         raise NotImplementedError
 
@@ -109,11 +110,11 @@ class MPIEnvironment(ClusterEnvironment):
     LOCAL_SIZE = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         return any(name in environ for name in cls.RANK)
 
     @classmethod
-    def from_environ(cls, environ):
+    def from_environ(cls, environ: Mapping[str, str]) -> "MPIEnvironment":
         rank = _first(environ, cls.RANK, 0)
         store = None
         if environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") and environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT"):
@@ -122,7 +123,7 @@ class MPIEnvironment(ClusterEnvironment):
                    local_rank=_first(environ, cls.LOCAL_RANK, 0), local_size=_first(environ, cls.LOCAL_SIZE, 1),
                    coordinator=_rendezvous(environ), store=store, hostname=environ.get("HOROVOD_HOSTNAME"))
 
-    def rendezvous(self):
+    def rendezvous(self) -> str | None:
         if self.coordinator or not self.store or self.size == 1:
             return self.coordinator
         url = f"http://{self.store}/keras_dist/coordinator"
@@ -174,11 +175,11 @@ class TFConfigEnvironment(ClusterEnvironment):
     TRAINERS = ("chief", "worker")
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         return bool(environ.get("TF_CONFIG"))
 
     @classmethod
-    def from_environ(cls, environ):
+    def from_environ(cls, environ: Mapping[str, str]) -> "TFConfigEnvironment":
         from keras_dist.tf_cluster import parse_tf_config  # no TensorFlow import: it parses JSON
 
         cluster, kind, index = parse_tf_config(environ.get("TF_CONFIG", ""))
@@ -202,7 +203,7 @@ class TorchrunEnvironment(ClusterEnvironment):
     REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
     @classmethod
-    def from_environ(cls, environ):
+    def from_environ(cls, environ: Mapping[str, str]) -> "TorchrunEnvironment":
         return cls(rank=_first(environ, ["RANK"]), size=_first(environ, ["WORLD_SIZE"]),
                    local_rank=_first(environ, ["LOCAL_RANK"], 0), local_size=_first(environ, ["LOCAL_WORLD_SIZE"], 1),
                    coordinator=f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}")
@@ -216,7 +217,7 @@ class SlurmEnvironment(ClusterEnvironment):
     REQUIRED = ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID")  # an `srun` step's tasks, not the batch script
 
     @classmethod
-    def from_environ(cls, environ):
+    def from_environ(cls, environ: Mapping[str, str]) -> "SlurmEnvironment":
         port = _first(environ, ["KERAS_DIST_COORDINATOR_PORT"]) or 10000 + _first(environ, ["SLURM_JOB_ID"], 0) % 20000
         nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
         return cls(rank=_first(environ, ["SLURM_PROCID"]), size=_first(environ, ["SLURM_STEP_NUM_TASKS"]),
@@ -225,7 +226,7 @@ class SlurmEnvironment(ClusterEnvironment):
                    coordinator=f"{first_host(nodes)}:{port}" if nodes else None)
 
 
-def first_host(nodelist):
+def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list: `node[03-05,9],gpu1` -> `node03`."""
     match = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist)
     if not match:
@@ -249,7 +250,7 @@ class KerasDistributionEnvironment(ClusterEnvironment):
     REQUIRED = ("KERAS_DISTRIBUTION_PROCESS_ID", "KERAS_DISTRIBUTION_NUM_PROCESSES")
 
     @classmethod
-    def from_environ(cls, environ):
+    def from_environ(cls, environ: Mapping[str, str]) -> "KerasDistributionEnvironment":
         addresses = [a for a in environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "").split(",") if a]
         return cls(rank=_first(environ, ["KERAS_DISTRIBUTION_PROCESS_ID"]),
                    size=_first(environ, ["KERAS_DISTRIBUTION_NUM_PROCESSES"]),
@@ -262,7 +263,7 @@ class LocalEnvironment(ClusterEnvironment):
     name = "local"
 
     @classmethod
-    def from_environ(cls, environ):
+    def from_environ(cls, environ: Mapping[str, str]) -> "LocalEnvironment":
         return cls()
 
 
@@ -272,7 +273,7 @@ ENVIRONMENTS = (MPIEnvironment, TFConfigEnvironment, TorchrunEnvironment, SlurmE
                 KerasDistributionEnvironment, LocalEnvironment)
 
 
-def detect(environ) -> ClusterEnvironment:
+def detect(environ: Mapping[str, str]) -> ClusterEnvironment:
     """The environment of the launcher that started this process (`LocalEnvironment` if none)."""
     environment = next(cls for cls in ENVIRONMENTS if cls.detect(environ)).from_environ(environ)
     if environment.size < 1 or environment.rank < 0:

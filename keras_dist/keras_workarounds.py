@@ -8,6 +8,8 @@ which strategy it is.
 """
 
 import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import keras
 import numpy as np
@@ -18,7 +20,7 @@ from tensorflow.python.distribute.sharded_variable import ShardedVariable
 from keras_dist.overrides import override, set_while
 
 
-def build_from_local_batch(model, strategy):
+def build_from_local_batch(model: keras.Model, strategy: tf.distribute.Strategy) -> None:
     """Builds the model from the input's element spec instead of a reduced distributed batch.
 
     Upstream: tensorflow/tensorflow#72388, keras-team/keras#20585. Before the first step
@@ -48,7 +50,8 @@ def build_from_local_batch(model, strategy):
     override(model, "_maybe_symbolic_build", _maybe_symbolic_build)
 
 
-def step_functions(model, strategy, *, scalar_logs: bool = False, skip_empty_batches: bool = False) -> None:
+def step_functions(model: keras.Model, strategy: tf.distribute.Strategy, *, scalar_logs: bool = False,
+                   skip_empty_batches: bool = False) -> None:
     """Builds the train and test functions with fixes for tf.distribute strategies.
 
     1. With `scalar_logs`. Upstream: tensorflow/tensorflow#72388, keras-team/keras#20585.
@@ -133,7 +136,7 @@ def step_functions(model, strategy, *, scalar_logs: bool = False, skip_empty_bat
     override(model, "_make_function", _make_function)
 
 
-def losses_not_divided(strategy):
+def losses_not_divided(strategy: tf.distribute.Strategy) -> contextlib.AbstractContextManager[None]:
     """While tracing a step, Keras does not divide losses by the number of replicas.
 
     Upstream design (keras/src/losses/loss.py, `scale_loss_for_distribution`): under
@@ -179,7 +182,7 @@ def _read_variable(value):
     return tf.convert_to_tensor(value) if isinstance(value, (tf.Variable, keras.Variable)) else value
 
 
-def metric_increments_added_once(model, strategy=None):
+def metric_increments_added_once(model: keras.Model, strategy: tf.distribute.Strategy | None = None) -> None:
     """Makes metric states add each replica's increment once under CentralStorageStrategy.
 
     Upstream: keras-team/keras#21054 (metric states wrong under tf.distribute). Keras 3
@@ -216,7 +219,7 @@ def _tf_update(variable, name):
     return update
 
 
-def layer_state_aggregated(model, strategy):
+def layer_state_aggregated(model: keras.Model, strategy: tf.distribute.Strategy) -> None:
     """Lets layers update their own state from replica context under CentralStorageStrategy.
 
     Upstream: keras-team/keras#20611 and keras-team/keras#20541. Keras creates layer
@@ -257,12 +260,12 @@ def layer_state_aggregated(model, strategy):
 # `colocate_vars_with` (`ShardedVariable doesn't support being used as a reference`).
 
 
-def is_sharded(variable):
+def is_sharded(variable: keras.Variable) -> bool:
     """Whether a Keras variable is backed by a `ShardedVariable`."""
     return isinstance(getattr(variable, "_value", None), ShardedVariable)
 
 
-def sharded_variable_updates(optimizer):
+def sharded_variable_updates(optimizer: keras.optimizers.Optimizer) -> None:
     """Makes a Keras optimizer update sharded variables and create their slots.
 
     Upstream: keras-team/keras#18624. A sharded variable is updated in place, each
@@ -295,7 +298,7 @@ def sharded_variable_updates(optimizer):
     override(optimizer, "_distributed_tf_update_step", _distributed_tf_update_step)
 
 
-def train_step_over_shards(model):
+def train_step_over_shards(model: keras.Model) -> Callable[[Any], dict[str, Any]] | None:
     """Keras's training step for a model with sharded variables; None if it has none.
 
     Upstream: keras-team/keras#18624. The same forward pass, loss, loss tracking and
@@ -332,7 +335,7 @@ def train_step_over_shards(model):
     return train_step
 
 
-def sharded_variables_savable(variables):
+def sharded_variables_savable(variables: Iterable[keras.Variable]) -> None:
     """Lets Keras save sharded variables: `np.asarray` of them joins their shards.
 
     Upstream: keras-team/keras#18624. Keras saves weights (`save_weights`, `save`,

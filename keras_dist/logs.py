@@ -4,10 +4,16 @@ Shared by the trainers that make logs global themselves (`training`, and the
 parameter-server loop, which runs Keras's steps remotely).
 """
 
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
 from keras import tree
 
+if TYPE_CHECKING:
+    import keras
 
-def flat_logs(logs):
+
+def flat_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
     """Logs with nested dicts (a `CompileMetrics` result) merged in, as Keras shows them."""
     flat = {}
     for name, value in logs.items():
@@ -18,7 +24,7 @@ def flat_logs(logs):
     return flat
 
 
-def metric_results(metrics, states):
+def metric_results(metrics: Iterable["keras.metrics.Metric"], states: Iterable[Any]) -> dict[str, Any]:
     """`{name: value}` of `metrics` computed from `states`, their variables' values in order.
 
     Args:

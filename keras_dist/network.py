@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import socket
 import struct
+from collections.abc import MutableMapping
 
 logger = logging.getLogger("keras_dist")
 
@@ -90,7 +91,7 @@ def interface_of(address: str) -> str | None:
     return next((name for _, name in socket.if_nameindex() if _address_of(name) == address), None)
 
 
-def choose_interface(environ, coordinator: str | None) -> str | None:
+def choose_interface(environ: MutableMapping[str, str], coordinator: str | None) -> str | None:
     """Sets the engines' interface variables to the one that reaches `coordinator` (`host:port`).
 
     Leaves everything alone where the user chose an interface already (any of

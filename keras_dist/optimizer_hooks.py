@@ -13,6 +13,8 @@ serialization (`model.save`) still records the user's own optimizer class.
 """
 
 import types
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import keras
 
@@ -21,7 +23,8 @@ from keras_dist.overrides import override
 _HOOKED = "_keras_dist_reduces_gradients"
 
 
-def reduce_gradients_before_update(optimizer, allreduce, all_finite=None):
+def reduce_gradients_before_update(optimizer: keras.optimizers.Optimizer, allreduce: Callable[[list], Iterable],
+                                   all_finite: Callable[[Any], Any] | None = None) -> None:
     """Makes `optimizer` pass its gradients through `allreduce` before each update.
 
     Args:
@@ -55,7 +58,7 @@ def reduce_gradients_before_update(optimizer, allreduce, all_finite=None):
     override(optimizer, _HOOKED, True)
 
 
-def optimizers_of(model):
+def optimizers_of(model: keras.Model) -> list[keras.optimizers.Optimizer]:
     """Every Keras optimizer `model` holds: `model.optimizer` and any held as an attribute.
 
     A model whose `compile` takes its own optimizers (a GAN's `d_optimizer` and

@@ -7,11 +7,13 @@ Keras's own methods once more instead of wrapping the previous wrappers.
 """
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 _RECORD = "_keras_dist_overrides"
 
 
-def override(obj, name, value):
+def override(obj: object, name: str, value: Any) -> None:
     """Sets `obj.<name> = value` on this instance only and records it.
 
     `object.__setattr__` bypasses Keras's attribute tracking: a method is not state.
@@ -20,14 +22,14 @@ def override(obj, name, value):
     obj.__dict__.setdefault(_RECORD, set()).add(name)
 
 
-def restore(obj):
+def restore(obj: object) -> None:
     """Removes every `override` of `obj`: its attributes are its class's again."""
     for name in obj.__dict__.pop(_RECORD, ()):
         obj.__dict__.pop(name, None)
 
 
 @contextlib.contextmanager
-def set_while(obj, name, value):
+def set_while(obj: object, name: str, value: Any) -> Iterator[None]:
     """Sets `obj.<name> = value` for the duration of a `with` block, then puts the old value back."""
     previous = getattr(obj, name)
     setattr(obj, name, value)

@@ -1,12 +1,17 @@
 """The process-wide backend: chosen once, by `init`, and shared by everything else."""
 
+from typing import TYPE_CHECKING, Any
+
 from keras_dist import strategies
 from keras_dist.errors import KerasDistError
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
 
 _current = None
 
 
-def init(backend=None, **options):
+def init(backend: str | None = None, **options: Any) -> "Strategy":
     """Starts keras_dist in this process and returns the active backend.
 
     Calling it is optional: `keras_dist.compile` calls it. Call it yourself to pick a
@@ -41,6 +46,6 @@ def init(backend=None, **options):
     return _current
 
 
-def current():
+def current() -> "Strategy":
     """The active backend, starting the default one if `init` was not called."""
     return _current if _current is not None else init()

@@ -25,6 +25,11 @@ import logging
 import os
 import random
 import sys
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
 
 logger = logging.getLogger("keras_dist")
 
@@ -39,7 +44,7 @@ def is_the_cli() -> bool:
     return os.path.basename(program) == "keras-dist" or program.endswith(os.path.join("keras_dist", "cli.py"))
 
 
-def start(environ=os.environ) -> None:
+def start(environ: MutableMapping[str, str] = os.environ) -> None:
     """The start-up effects of `import keras_dist` (see the module docstring)."""
     if is_the_cli():
         return
@@ -59,7 +64,7 @@ def start(environ=os.environ) -> None:
         share_random_seed(runtime.current())
 
 
-def share_random_seed(strategy) -> None:
+def share_random_seed(strategy: "Strategy") -> None:
     """Seeds this process with the chief's seed (one collective), unless it seeded itself.
 
     What Keras's `set_random_seed` seeds (Python's, NumPy's, Keras's global seed

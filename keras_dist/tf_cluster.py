@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from keras_dist import network
@@ -20,7 +21,7 @@ from keras_dist.errors import KerasDistError
 _EXAMPLE = '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}}'
 
 
-def detected_cluster(environ):
+def detected_cluster(environ: Mapping[str, str]) -> dict | None:
     """TF_CONFIG's cluster, read leniently for backend detection.
 
     Args:
@@ -46,7 +47,7 @@ def detected_cluster(environ):
     return cluster if isinstance(cluster, dict) else {}
 
 
-def parse_tf_config(text):
+def parse_tf_config(text: str) -> tuple[dict[str, list[str]], str, int]:
     """`(cluster, task_type, task_index)` from a TF_CONFIG string, with one-line errors.
 
     Args:
@@ -89,7 +90,7 @@ BIND_ADDRESS_ENV = "KERAS_DIST_BIND_ADDRESS"
 BIND_LIBRARY = Path(__file__).with_name("_bind_address.so")
 
 
-def prepare_server_process(environ):
+def prepare_server_process(environ: MutableMapping[str, str]) -> None:
     """Prepares a process that will run its TF_CONFIG task's TensorFlow gRPC server.
 
     Call it from a backend's `prepare_process`, before the server starts. It
@@ -235,7 +236,7 @@ def _listening_in_this_process(port):
     return any(p == port and f"socket:[{inode}]" in sockets for _, p, inode in listeners)
 
 
-def tcp_listeners():
+def tcp_listeners() -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, str]]:
     """`(address, port, inode)` for every listening TCP socket, read from /proc/net (Linux).
 
     Covers every process in this network namespace; `inode` matches the
@@ -274,7 +275,7 @@ def _active_binding():
     return value.decode() if value else None
 
 
-def binding_env(environ, address):
+def binding_env(environ: Mapping[str, str], address: str) -> dict[str, str]:
     """Variables that make a new process's TCP listeners bind to `address`, not all interfaces.
 
     `prepare_server_process` restarts a process with them. A launcher that starts a local

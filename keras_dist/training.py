@@ -16,6 +16,7 @@ import inspect
 import logging
 import os
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -28,6 +29,9 @@ from keras_dist.callbacks.replica_check import ReplicaCheck
 from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
 from keras_dist.launchers.processes import RESTART
 from keras_dist.overrides import override, set_while
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import GradientOptions, Strategy
 
 logger = logging.getLogger("keras_dist")
 
@@ -62,7 +66,7 @@ class DistributedTraining:
             arguments["verbose"] = 0
         return arguments
 
-    def fit(self, *args, **kwargs):
+    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         self._distribute_new_optimizers()
         arguments = self._worker_args(self.keras_fit, args, kwargs)
         if self.backend.reduces_in_keras_dist:
@@ -87,7 +91,7 @@ class DistributedTraining:
         self.synced = True
         return history
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         local_steps = self.backend.process_local_steps(self.model)
         if self.in_fit:  # validation inside fit: inputs already split
             with self._flag("in_evaluate"), local_steps:
@@ -98,7 +102,7 @@ class DistributedTraining:
         with self._flag("in_evaluate"), self._quiet_end_of_open_ended_input(), local_steps:
             return self.backend.run_loop("evaluate", self.model, self.keras_evaluate, arguments)
 
-    def predict(self, *args, **kwargs):
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
         arguments = self._worker_args(self.keras_predict, args, kwargs)
         data = inputs.predict(self.backend, _read(arguments, "steps"))
         _write(arguments, data, "steps")
@@ -123,7 +127,7 @@ class DistributedTraining:
             self.global_batch_logs = needed
             self.model.train_function = None  # traced again with the other choice
 
-    def get_metrics_result(self):
+    def get_metrics_result(self) -> dict[str, Any]:
         """Model metrics, as Keras's steps inside `fit` and `evaluate`, or the script, ask for them.
 
         Inside `fit` and `evaluate` the callers are steps (compiled, or eager as on
@@ -140,7 +144,7 @@ class DistributedTraining:
             return self.keras_get_metrics_result()
         return metric_results(self.model.metrics, self.backend.sum_across_processes_in_step([v.value for v in variables]))
 
-    def global_metrics_result(self):
+    def global_metrics_result(self) -> dict[str, Any]:
         """Model metrics computed from their states over every process (`Strategy.global_metric_states`)."""
         metrics = self.model.metrics
         variables = [v for m in metrics for v in m.variables]
@@ -148,7 +152,7 @@ class DistributedTraining:
             return self.keras_get_metrics_result()
         return metric_results(metrics, self.backend.global_metric_states(variables))
 
-    def get_metrics_result_or_logs(self, logs):
+    def get_metrics_result_or_logs(self, logs: dict | None) -> dict[str, Any]:
         """Epoch logs: the global metric results, and the other keys of a custom step's logs averaged.
 
         Keras takes the metrics' results only where the last step's logs have exactly
@@ -197,7 +201,7 @@ def _write(arguments: dict, data: inputs.Inputs, steps: str) -> None:
     arguments.update((k, v) for k, v in data.arguments(steps).items() if k in arguments)
 
 
-def attach(model, backend, gradient_options):
+def attach(model: keras.Model, backend: "Strategy", gradient_options: "GradientOptions") -> DistributedTraining:
     """Makes `model.fit/evaluate/predict` run distributed on `backend`."""
     training = DistributedTraining(model, backend, gradient_options)
     names = ["fit", "evaluate", "predict"]

@@ -20,7 +20,7 @@ _PARTIAL = ".keras_dist-partial-"
 _STAGED = ".keras_dist-staged"
 
 
-def make_writes_atomic(callback):
+def make_writes_atomic(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
     """Makes `callback` (a `ModelCheckpoint` or `BackupAndRestore`, else unchanged) save atomically.
 
     Idempotent. A `BackupAndRestore` also survives a partial file left by an earlier,
@@ -125,7 +125,7 @@ def _partial(path):
     return os.path.join(directory, _PARTIAL + name)
 
 
-def publish(partial, final):
+def publish(partial: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
     """Flushes `partial` to disk and renames it to `final`, replacing it in one step."""
     with open(partial, "rb+") as f:
         os.fsync(f.fileno())

@@ -1,5 +1,7 @@
 """Which callbacks read per-batch logs: those logs cost a collective per step to make global."""
 
+from collections.abc import Iterable
+
 import keras
 from keras.src.utils.python_utils import is_default
 
@@ -7,7 +9,7 @@ TRAIN_BATCH_HOOKS = ("on_batch_end", "on_train_batch_end")
 ALL_BATCH_HOOKS = TRAIN_BATCH_HOOKS + ("on_test_batch_end", "on_predict_batch_end")
 
 
-def reads_batch_logs(callback, hooks=ALL_BATCH_HOOKS):
+def reads_batch_logs(callback: keras.callbacks.Callback, hooks: Iterable[str] = ALL_BATCH_HOOKS) -> bool:
     """Whether `callback` reads the logs its `hooks` are given, in its configuration.
 
     Keras's progress bar and History, and ModelCheckpoint, BackupAndRestore and

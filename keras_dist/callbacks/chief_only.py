@@ -1,8 +1,14 @@
 """Keep callbacks that write files from running on workers other than the chief."""
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import keras
 
 from keras_dist.callbacks.atomic_writes import make_writes_atomic
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
 
 # Callbacks that write under a user-given path. A user subclass of one counts too.
 FILE_WRITING_CALLBACKS = (
@@ -13,7 +19,8 @@ FILE_WRITING_CALLBACKS = (
 )
 
 
-def callbacks_for_this_worker(callbacks, backend):
+def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | keras.callbacks.CallbackList | None,
+                              backend: "Strategy") -> list[keras.callbacks.Callback]:
     """The user's callbacks as this worker must run them.
 
     Args:

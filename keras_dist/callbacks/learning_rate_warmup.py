@@ -38,7 +38,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self._first_batch = True
         self._is_chief = True
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         from keras_dist.runtime import current
 
         self._is_chief = current().is_chief
@@ -48,10 +48,10 @@ class LearningRateWarmup(keras.callbacks.Callback):
         if self.start_factor is None:
             self.start_factor = 1.0 / current().num_replicas
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         steps = self.params.get("steps") or 1
         progress = min(1.0, (self._epoch + batch / steps) / self.warmup_epochs)
         if self._done:

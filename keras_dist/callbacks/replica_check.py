@@ -1,11 +1,16 @@
 """Replicas never diverge silently: after each epoch, every worker's weights are compared."""
 
 import zlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
 
 from keras_dist.errors import KerasDistError
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
 
 
 class ReplicaCheck(keras.callbacks.Callback):
@@ -25,7 +30,7 @@ class ReplicaCheck(keras.callbacks.Callback):
         super().__init__()
         self.backend = backend
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         average_statistics(self.model, self.backend)
         digests = self.backend.allgather_object(weights_digest(self.model.trainable_weights))
         differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
@@ -37,7 +42,7 @@ class ReplicaCheck(keras.callbacks.Callback):
             )
 
 
-def weights_digest(weights):
+def weights_digest(weights: Iterable[keras.Variable]) -> int:
     """A CRC-32 of the weights' bytes, in order: equal only for bit-identical replicas."""
     digest = 0
     for weight in weights:
@@ -45,7 +50,7 @@ def weights_digest(weights):
     return digest
 
 
-def average_statistics(model, backend):
+def average_statistics(model: keras.Model, backend: "Strategy") -> None:
     """Sets every float non-trainable weight of `model` to its mean over processes."""
     statistics = [w for w in model.non_trainable_weights if "float" in str(w.dtype)]
     if not statistics:

@@ -67,11 +67,11 @@ class ScratchCallback(keras.callbacks.Callback):
             if isinstance(value, str) and value.startswith(original):
                 setattr(self.inner, name, replacement + value[len(original):])
 
-    def set_model(self, model):
+    def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         self.inner.set_model(model)
 
-    def set_params(self, params):
+    def set_params(self, params: dict) -> None:
         super().set_params(params)
         self.inner.set_params(params)
 
@@ -81,21 +81,21 @@ class ScratchCallback(keras.callbacks.Callback):
             return getattr(object.__getattribute__(self, "inner"), name)
         return object.__getattribute__(self, name)
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         self._training = True
         self.inner.on_train_begin(logs)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         self.inner.on_train_end(logs)
         self._training = False
         self._remove()
 
-    def on_test_end(self, logs=None):
+    def on_test_end(self, logs: dict | None = None) -> None:
         self.inner.on_test_end(logs)
         if not self._training:
             self._remove()
 
-    def on_predict_end(self, logs=None):
+    def on_predict_end(self, logs: dict | None = None) -> None:
         self.inner.on_predict_end(logs)
         self._remove()
 

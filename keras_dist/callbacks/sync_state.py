@@ -1,12 +1,17 @@
 """Start every replica from the chief's weights, optimizer state and epoch."""
 
 import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import keras
 
 from keras_dist import optimizer_hooks
 from keras_dist.callbacks.replica_check import weights_digest
 from keras_dist.errors import KerasDistError
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
 
 logger = logging.getLogger("keras_dist")
 
@@ -27,13 +32,13 @@ class SyncInitialState(keras.callbacks.Callback):
         super().__init__()
         self.backend = backend
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         sync_model_state(self.model, self.backend)
         # BackupAndRestore (chief only) sets the epoch to resume from.
         self.model._initial_epoch = self.backend.broadcast_object(self.model._initial_epoch)
 
 
-def sync_model_state(model, backend):
+def sync_model_state(model: keras.Model, backend: "Strategy") -> None:
     """Checks the models match across processes, then copies the chief's state to all.
 
     With the job's shared seed (`keras_dist.startup`) the weights already agree, so the
@@ -56,7 +61,7 @@ def sync_model_state(model, backend):
     backend.broadcast_variables(variables)
 
 
-def check_same_variables(variables, backend):
+def check_same_variables(variables: Iterable[keras.Variable], backend: "Strategy") -> None:
     """Stops with a one-line error unless every process has variables of these paths and shapes.
 
     A collective over variables that differ would hang or fail deep inside TensorFlow.

@@ -20,7 +20,7 @@ through `Strategy.take_input`, before Keras does.
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -29,6 +29,11 @@ from keras import tree
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs import arrays
 from keras_dist.inputs.py_dataset import ShardedPyDataset
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from keras_dist.strategies.base import Strategy
 
 # The argument that bounds a call's steps, by purpose, as Keras names it.
 _STEPS = {"fit": "steps_per_epoch", "validation": "validation_steps", "evaluate": "steps", "predict": "steps"}
@@ -51,13 +56,13 @@ class Inputs:
     steps: int | None = None
 
     @classmethod
-    def of_validation(cls, validation_data, batch_size: int | None, steps: int | None) -> "Inputs":
+    def of_validation(cls, validation_data: Any, batch_size: int | None, steps: int | None) -> "Inputs":
         # As Keras reads it: a tuple is (x, y[, sample_weight]); anything else (a dataset, a
         # PyDataset, a DataLoader) yields its own batches.
         data = tuple(validation_data) if isinstance(validation_data, (tuple, list)) else (validation_data,)
         return cls(*data, batch_size=batch_size, steps=steps)
 
-    def as_validation_data(self):
+    def as_validation_data(self) -> Any:
         """What `fit` takes as `validation_data`."""
         return (self.x, self.y, self.sample_weight) if arrays.is_array_input(self.x) else self.x
 
@@ -67,7 +72,7 @@ class Inputs:
                 steps: self.steps}
 
 
-def fit(strategy, data: Inputs, validation_data=None, validation_split: float = 0.0,
+def fit(strategy: "Strategy", data: Inputs, validation_data: Any = None, validation_split: float = 0.0,
         validation_batch_size: int | None = None, validation_steps: int | None = None) -> tuple[Inputs, Inputs | None]:
     """This process's training input (padded to equal steps) and validation input (None: none)."""
     if validation_split and validation_data is None and arrays.is_array_input(data.x):
@@ -79,17 +84,17 @@ def fit(strategy, data: Inputs, validation_data=None, validation_split: float = 
     return _split(strategy, data, pad=True, purpose="fit"), validation
 
 
-def evaluate(strategy, data: Inputs) -> Inputs:
+def evaluate(strategy: "Strategy", data: Inputs) -> Inputs:
     """This process's share of `evaluate`'s input (not padded)."""
     return _split(strategy, data, pad=False, purpose="evaluate")
 
 
-def predict(strategy, data: Inputs) -> Inputs:
+def predict(strategy: "Strategy", data: Inputs) -> Inputs:
     """This process's share of `predict`'s input (not padded; files never split, to keep the order)."""
     return _split(strategy, data, pad=False, purpose="predict")
 
 
-def gather_predictions(strategy, data: Inputs, outputs):
+def gather_predictions(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
     """Every process's `predict` outputs for the split `data`, in the script's input order."""
     if strategy.input_plan.num_shards == 1:
         return outputs
@@ -98,7 +103,7 @@ def gather_predictions(strategy, data: Inputs, outputs):
     return arrays.gather_interleaved(strategy, outputs, strategy.input_plan.num_shards)
 
 
-def distribute_dataset(dataset, training: bool = True):
+def distribute_dataset(dataset: "tf.data.Dataset", training: bool = True) -> "tf.data.Dataset":
     """This process's share of `dataset`, as keras_dist's `fit` (or `evaluate`) reads it.
 
     For loops of your own, and to see what each worker reads: a batched dataset whose
@@ -126,13 +131,13 @@ def distribute_dataset(dataset, training: bool = True):
     return shard
 
 
-def is_tf_dataset(data) -> bool:
+def is_tf_dataset(data: Any) -> bool:
     """Whether `data` is a `tf.data.Dataset` (without importing TensorFlow: none exists before it is)."""
     tf = sys.modules.get("tensorflow")
     return tf is not None and isinstance(data, tf.data.Dataset)
 
 
-def is_data_loader(data) -> bool:
+def is_data_loader(data: Any) -> bool:
     """Whether `data` is a `torch.utils.data.DataLoader` (without importing torch)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(data, torch.utils.data.DataLoader)

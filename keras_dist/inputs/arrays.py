@@ -5,18 +5,23 @@ k, exactly the elements of global batch k of one process at batch N*B, so N repl
 batch B compute the same updates as one process at N*B.
 """
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 from keras import tree
 
 from keras_dist.errors import KerasDistError
 
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
 
-def is_array_input(data):
+
+def is_array_input(data: Any) -> bool:
     leaves = tree.flatten(data)
     return bool(leaves) and all(hasattr(a, "__array__") for a in leaves)  # NumPy, tf.Tensor, jax.Array...
 
 
-def shard_arrays(data, num_shards, index, pad):
+def shard_arrays(data: Any, num_shards: int, index: int, pad: bool) -> Any:
     """Shard `index` of a nested structure of equally long arrays (None leaves kept)."""
     leaves = [a for a in tree.flatten(data) if a is not None]
     if not leaves:
@@ -32,7 +37,7 @@ def shard_arrays(data, num_shards, index, pad):
     return tree.map_structure(lambda a: None if a is None else a[index::num_shards], data)
 
 
-def gather_interleaved(backend, local_outputs, num_shards):
+def gather_interleaved(backend: "Strategy", local_outputs: Any, num_shards: int) -> Any:
     """Inverse of the unpadded interleaved split: every process gets the full result."""
 
     def gather(leaf):

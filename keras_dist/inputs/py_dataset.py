@@ -49,7 +49,7 @@ class ShardedPyDataset(keras.utils.PyDataset):
         self.steps = steps
 
     @property
-    def num_batches(self):
+    def num_batches(self) -> int | None:
         return self.steps
 
     def __getitem__(self, step):
@@ -62,8 +62,8 @@ class ShardedPyDataset(keras.utils.PyDataset):
             return parts[0]
         return tree.map_structure(lambda *leaves: np.concatenate(leaves), *parts)
 
-    def on_epoch_begin(self):
+    def on_epoch_begin(self) -> None:
         self.dataset.on_epoch_begin()
 
-    def on_epoch_end(self):
+    def on_epoch_end(self) -> None:
         self.dataset.on_epoch_end()

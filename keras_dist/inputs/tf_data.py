@@ -26,6 +26,8 @@ in input order.
 """
 
 import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
@@ -36,8 +38,11 @@ from tensorflow.python.ops import gen_experimental_dataset_ops
 
 from keras_dist.errors import KerasDistError
 
+if TYPE_CHECKING:
+    from tensorflow.core.framework import node_def_pb2
 
-def dataset_batch_size(dataset):
+
+def dataset_batch_size(dataset: tf.data.Dataset) -> tuple[int, bool]:
     """The batch size of a batched `tf.data.Dataset` and whether it drops remainders."""
     first_leaf = tree.flatten(dataset.element_spec)[0]
     if first_leaf.shape.rank == 0:
@@ -55,7 +60,8 @@ def _not_batched():
                           "call .batch(batch_size) on it (the batch size is per replica)")
 
 
-def shard_dataset(dataset, num_shards, index, pad, batch_multiplier=1, files=True, allgather=None):
+def shard_dataset(dataset: tf.data.Dataset, num_shards: int, index: int, pad: bool, batch_multiplier: int = 1,
+                  files: bool = True, allgather: Callable[[Any], list] | None = None) -> tuple[tf.data.Dataset, bool]:
     """This process's share of a batched dataset, each batch `batch_multiplier` times larger,
     and whether every process's share has the same number of batches of the same sizes.
 
@@ -100,7 +106,7 @@ def _shard_after_pipeline(dataset, num_shards, index, pad):
     return elements.shard(num_shards, index).batch(own_batch, drop_remainder=drop_remainder)
 
 
-def is_infinite(dataset):
+def is_infinite(dataset: tf.data.Dataset) -> tf.Tensor:  # a scalar boolean tensor, which `if` reads eagerly
     return dataset.cardinality() == tf.data.INFINITE_CARDINALITY
 
 
@@ -138,7 +144,7 @@ class _Unrewritable(Exception):
     """The pipeline cannot be split inside (it is not serializable, or has no linear chain)."""
 
 
-def dataset_graph(dataset):
+def dataset_graph(dataset: tf.data.Dataset) -> graph_pb2.GraphDef:
     """The `GraphDef` of `dataset`'s ops (random ops and other state included as they are)."""
     try:
         serialized = dataset._as_serialized_graph(external_state_policy=tf.data.experimental.ExternalStatePolicy.IGNORE)
@@ -150,7 +156,7 @@ def dataset_graph(dataset):
 _PYTHON_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc"}  # from_generator, py_function, numpy_function
 
 
-def runs_python(dataset):
+def runs_python(dataset: tf.data.Dataset) -> bool:
     """Whether `dataset` calls Python (it then cannot run in another process), or cannot be serialized."""
     try:
         graph = dataset_graph(dataset)
@@ -181,7 +187,7 @@ class Pipeline:
             raise _not_batched()
         self.first_batch = batches[0]
 
-    def steps_follow_elements(self):
+    def steps_follow_elements(self) -> bool:
         """Whether equal element counts per shard give equal batches: nothing after the
         first batch drops, adds or regroups elements."""
         return all(node.op in _ELEMENTWISE_OPS | _SHUFFLE_OPS | _CACHE_OPS for node in self.chain[self.first_batch + 1:])
@@ -195,7 +201,8 @@ class Pipeline:
                 return chain[::-1]
             chain.append(datasets[0])
 
-    def sharded(self, num_shards, index, pad, files, allgather):
+    def sharded(self, num_shards: int, index: int, pad: bool, files: bool,
+                allgather: Callable[[Any], list] | None) -> tf.data.Dataset:
         """The dataset split into `num_shards`, shard `index` (see the module docstring)."""
         split = self._element_split_point()
         file_source = self._file_source(num_shards) if files else None
@@ -312,7 +319,7 @@ class Pipeline:
         """The number of elements `node` gives (counted once if TensorFlow cannot tell)."""
         return _length(self.dataset(node))
 
-    def dataset(self, node=None):
+    def dataset(self, node: "node_def_pb2.NodeDef | None" = None) -> tf.data.Dataset:
         """The pipeline as a dataset; up to `node` only (elements as flat tuples) if given."""
         graph = graph_pb2.GraphDef()
         graph.CopyFrom(self.graph)
@@ -354,7 +361,7 @@ def _commutes_with_split(node, constant):
     return False
 
 
-def open_ended(inputs, batch_size):
+def open_ended(inputs: tf.data.Dataset | Mapping[str, Any], batch_size: int | None) -> tf.data.Dataset:
     """`inputs` as a dataset whose length TensorFlow cannot know in advance.
 
     Args:

@@ -22,7 +22,7 @@ REGISTRY = {
 }
 
 
-def create(name) -> Launcher:
+def create(name: str) -> Launcher:
     """The launcher registered under `name`."""
     if name not in REGISTRY:
         raise KerasDistError(f"unknown launcher {name!r}; choose one of: {', '.join(REGISTRY)}")

@@ -18,7 +18,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, TextIO
 
+if TYPE_CHECKING:
+    from keras_dist.launchers.base import Task
 
 LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
 # How many times `keras-dist launch --max-restarts` has restarted the job, in every task.
@@ -50,7 +54,7 @@ def _pump(stream, prefix, out):
 _CLUSTER_VARIABLES = ("TF_CONFIG", "HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "MPI_LOCALNRANKS", LAUNCHER_PID)
 
 
-def run_tasks(tasks, out=None, poll_seconds=0.2):
+def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: float = 0.2) -> int:
     """Starts `tasks`, waits for all of them, returns the first failing exit code (or 0)."""
     out = out or sys.stdout
     inherited = sorted(k for k in os.environ if k.startswith(_CLUSTER_VARIABLES))
@@ -107,7 +111,7 @@ def run_tasks(tasks, out=None, poll_seconds=0.2):
             pump.join(timeout=5)
 
 
-def exit_code(returncode):
+def exit_code(returncode: int) -> int:
     """A `Popen.returncode` as a shell reports it: 128 + N for a process killed by signal N."""
     return 128 - returncode if returncode < 0 else returncode
 
@@ -132,7 +136,7 @@ def _parent_death_signal():
     return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def watch_launcher(environ, poll_seconds=1.0):
+def watch_launcher(environ: Mapping[str, str], poll_seconds: float = 1.0) -> None:
     """Ends this process once the launcher that started its job is gone.
 
     Called at `import keras_dist` in every task: a task started by a task (horovodrun's
@@ -157,7 +161,7 @@ def watch_launcher(environ, poll_seconds=1.0):
     threading.Thread(target=watch, name="keras_dist-launcher-watch", daemon=True).start()
 
 
-def process_ended(pid):
+def process_ended(pid: int) -> bool:
     """Whether process `pid` has ended: gone, or a zombie its parent has not reaped yet."""
     try:
         os.kill(pid, 0)
@@ -186,7 +190,7 @@ def _stop(procs, grace_seconds=5):
     kill_process_groups([proc for _, proc in procs])
 
 
-def kill_process_groups(procs):
+def kill_process_groups(procs: Iterable[subprocess.Popen]) -> None:
     """SIGKILLs the process group of each `subprocess.Popen` (started with
     `start_new_session=True`) and reaps its leader; children that outlived it die too.
 
