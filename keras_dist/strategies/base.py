@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from keras_dist import environments
+from keras_dist.collectives import SINGLE, Collectives
 from keras_dist.environments import ClusterEnvironment, LocalEnvironment
 
 
@@ -123,6 +124,8 @@ class Strategy(abc.ABC):
     # False when `run_loop` replaces Keras's fit/evaluate/predict loops with the
     # strategy's own (parameter servers), which then read epoch logs themselves.
     runs_keras_loops: ClassVar[bool] = True
+    # Its processes' host-side collectives (one process: `SINGLE`, which does nothing).
+    collectives: Collectives = SINGLE
 
     def __init__(self, environment: ClusterEnvironment | None = None):
         self.environment = environment or LocalEnvironment()
@@ -218,26 +221,25 @@ class Strategy(abc.ABC):
         """Sums a list of tensors over processes inside a train step (a `tf.function`, or an eager torch step)."""
         return tensors
 
-    # --- host-side collectives (eager, used outside the train step) ------------
+    # --- host-side collectives (eager, outside the train step): `self.collectives` -------
     def allgather_object(self, obj) -> list:
         """Every process's `obj`, in rank order, on every process."""
-        return [obj]
+        return self.collectives.allgather_object(obj)
 
     def broadcast_object(self, obj, root: int = 0):
-        return obj
+        return self.collectives.broadcast_object(obj, root)
 
     def broadcast_variables(self, variables, root: int = 0) -> None:
         """Overwrites `variables` on every process with their values on `root`."""
+        self.collectives.broadcast_variables(variables, root)
 
     def allgather_array(self, array):
         """Concatenates NumPy arrays of possibly different lengths, in rank order."""
-        import numpy as np
-
-        return np.concatenate(self.allgather_object(np.asarray(array)))
+        return self.collectives.allgather_array(array)
 
     def sum_arrays(self, arrays):
         """Each NumPy array summed over processes (same shapes on every process), as a list."""
-        return list(arrays)
+        return self.collectives.sum_arrays(arrays)
 
     def global_metric_states(self, variables) -> list:
         """The values of metric state `variables` over every process's batches, as NumPy arrays.
@@ -249,7 +251,7 @@ class Strategy(abc.ABC):
         return self.sum_arrays([keras.ops.convert_to_numpy(v.value) for v in variables])
 
     def barrier(self) -> None:
-        pass
+        self.collectives.barrier()
 
     def chief_file_callback(self, callback):
         """A checkpoint or log callback as the chief runs it."""
@@ -263,4 +265,4 @@ class Strategy(abc.ABC):
 
     def describe(self) -> dict:
         return {"backend": self.name, "rank": self.rank, "size": self.size,
-                "local_rank": self.local_rank, "num_replicas": self.num_replicas}
+                "local_rank": self.local_rank, "num_replicas": self.num_replicas, **self.collectives.describe()}

@@ -4,9 +4,9 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 `allgather`): its Keras integration does not work with Keras 3 (horovod issue 4290).
 """
 
-import itertools
 import os
 
+from keras_dist.collectives.horovod import HorovodTensorFlow
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 from keras_dist.environments import MPIEnvironment
 from keras_dist.errors import KerasDistError
@@ -63,7 +63,7 @@ class HorovodStrategy(Strategy):
         super().__init__(environment)
         self._hvd = _import_horovod()
         self._hvd.init()
-        self._names = itertools.count()
+        self.collectives = HorovodTensorFlow(self._hvd)
         self._pin_gpu()
 
     def _pin_gpu(self):
@@ -80,10 +80,6 @@ class HorovodStrategy(Strategy):
                 "TensorFlow was already running when keras_dist started Horovod; call "
                 "keras_dist.init() (or keras_dist.compile) before building the model"
             ) from None
-
-    def _name(self, kind):
-        # Eager Horovod ops are matched across ranks by name; all ranks call in one order.
-        return f"keras_dist.{kind}.{next(self._names)}"
 
     @property
     def rank(self) -> int:
@@ -130,30 +126,3 @@ class HorovodStrategy(Strategy):
 
     def sum_across_processes_in_step(self, tensors):
         return self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum)
-
-    def allgather_object(self, obj) -> list:
-        return self._hvd.allgather_object(obj, name=self._name("allgather_object"))
-
-    def broadcast_object(self, obj, root: int = 0):
-        return self._hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
-
-    def broadcast_variables(self, variables, root: int = 0) -> None:
-        for variable in variables:
-            variable.assign(self._hvd.broadcast(variable.value, root_rank=root, name=self._name("broadcast")))
-
-    def sum_arrays(self, arrays):
-        if not arrays:
-            return []
-        import tensorflow as tf
-
-        tensors = [tf.convert_to_tensor(a) for a in arrays]
-        summed = self._hvd.grouped_allreduce(tensors, op=self._hvd.Sum, name=self._name("sum_arrays"))
-        return [s.numpy() for s in summed]
-
-    def allgather_array(self, array):
-        return self._hvd.allgather(array, name=self._name("allgather")).numpy()
-
-    def barrier(self) -> None:
-        import tensorflow as tf
-
-        self._hvd.allreduce(tf.zeros([1]), name=self._name("barrier"))

@@ -18,7 +18,6 @@ import atexit
 import contextlib
 import logging
 import os
-import pickle
 import socket
 import threading
 import time
@@ -27,6 +26,7 @@ import keras
 import numpy as np
 
 from keras_dist import environments, network, timeouts
+from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
 from keras_dist.errors import KerasDistError
@@ -219,6 +219,7 @@ class JaxDataParallelStrategy(Strategy):
 
         _start_process_group(os.environ)
         self._jax = jax
+        self.collectives = JaxProcesses(jax)
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
         keras.distribution.set_distribution(self.distribution)
         self._local_depth = 0
@@ -323,48 +324,6 @@ class JaxDataParallelStrategy(Strategy):
                 override(callback, name, run_locally)
         override(callback, "_keras_dist_saves_locally", True)
         return callback
-
-    # --- host-side collectives ------------------------------------------------------
-    def _gather_bytes(self, data: bytes) -> list:
-        """Every process's `data`, in rank order (one gather of the lengths, one of the bytes)."""
-        from jax.experimental import multihost_utils
-
-        lengths = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32))).reshape(-1)
-        # Padded to a power of two: each new shape is a new XLA computation to compile.
-        padded = np.zeros(max(256, 1 << (int(lengths.max()) - 1).bit_length()), np.uint8)
-        padded[:len(data)] = np.frombuffer(data, np.uint8)
-        gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
-        return [gathered[rank, :length].tobytes() for rank, length in enumerate(lengths)]
-
-    def allgather_object(self, obj) -> list:
-        if self.size == 1:
-            return [obj]
-        return [pickle.loads(part) for part in self._gather_bytes(pickle.dumps(obj))]
-
-    def broadcast_object(self, obj, root: int = 0):
-        return self.allgather_object(obj if self.rank == root else None)[root]
-
-    def broadcast_variables(self, variables, root: int = 0) -> None:
-        if self.size == 1:
-            return
-        from jax.experimental import multihost_utils
-
-        values = [keras.ops.convert_to_numpy(v.value) for v in variables]
-        for variable, value in zip(variables, multihost_utils.broadcast_one_to_all(values, is_source=self.rank == root)):
-            variable.assign(np.asarray(value))
-
-    def sum_arrays(self, arrays):
-        arrays = [np.asarray(a) for a in arrays]
-        if not arrays or self.size == 1:
-            return arrays
-        # Exact whatever the dtype (JAX would narrow float64 without x64).
-        parts = self.allgather_object(arrays)
-        return [np.sum([p[i] for p in parts], axis=0).astype(a.dtype) for i, a in enumerate(arrays)]
-
-    def barrier(self) -> None:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("keras_dist.barrier")
 
     def describe(self) -> dict:
         return {**super().describe(), "devices": [str(d) for d in self._jax.devices()]}

@@ -10,12 +10,12 @@ import dataclasses
 import functools
 import logging
 import os
-import pickle
 import re
 import sys
 import weakref
 
 from keras_dist import keras_workarounds
+from keras_dist.collectives.tf_distribute import TFDistribute
 from keras_dist.strategies.base import InputPlan
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.callbacks.scratch import ScratchCallback
@@ -70,6 +70,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
             raise KerasDistError(f"TF_CONFIG task {environment.task_type!r} does not train under backend "
                                  "'multi_worker_mirrored'; run it as a 'worker'")
         super().__init__(environment)
+        self.collectives = TFDistribute(self.strategy, environment.rank, environment.size)
 
     def make_strategy(self):
         return _strategy if _strategy is not None else _make_strategy()
@@ -105,68 +106,6 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
     @property
     def size(self) -> int:
         return self.environment.size
-
-    # --- host-side collectives, built on the strategy's all-reduce ------------
-    def _sum(self, array):
-        """Sums a NumPy array over workers (each worker's first replica contributes)."""
-        import tensorflow as tf
-
-        local = self.replicas_per_process
-        value = tf.convert_to_tensor(array)
-        values = self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: value if ctx.replica_id_in_sync_group % local == 0 else tf.zeros_like(value)
-        )
-        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
-
-    def _gather_rows(self, array):
-        """Every worker's `array` (same trailing shape), as a list in rank order."""
-        import numpy as np
-
-        lengths = self._sum(np.eye(self.size, dtype=np.int64)[self.rank] * len(array)).astype(int)
-        padded = np.zeros((self.size, int(lengths.max())) + array.shape[1:], dtype=array.dtype)
-        padded[self.rank, :len(array)] = array
-        summed = self._sum(padded)
-        return [summed[r, :n] for r, n in enumerate(lengths)]
-
-    def allgather_object(self, obj) -> list:
-        import numpy as np
-
-        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8).astype(np.int32)
-        return [pickle.loads(part.astype(np.uint8).tobytes()) for part in self._gather_rows(data)]
-
-    def broadcast_object(self, obj, root: int = 0):
-        return self.allgather_object(obj if self.rank == root else None)[root]
-
-    def broadcast_variables(self, variables, root: int = 0) -> None:
-        import numpy as np
-
-        for variable in variables:
-            value = np.asarray(variable.numpy())
-            variable.assign(self._sum(value if self.rank == root else np.zeros_like(value)))
-
-    def sum_arrays(self, arrays):
-        import numpy as np
-
-        arrays = [np.asarray(a) for a in arrays]
-        if not arrays:
-            return []
-        # One collective for all: flattened into one float64 vector, split again after.
-        summed = self._sum(np.concatenate([a.astype(np.float64).ravel() for a in arrays]))
-        ends = np.cumsum([a.size for a in arrays])[:-1]
-        return [part.reshape(a.shape).astype(a.dtype) for part, a in zip(np.split(summed, ends), arrays)]
-
-    def allgather_array(self, array):
-        import numpy as np
-
-        array = np.asarray(array)
-        if array.dtype == bool:
-            return np.concatenate(self._gather_rows(array.astype(np.uint8))).astype(bool)
-        return np.concatenate(self._gather_rows(array))
-
-    def barrier(self) -> None:
-        import numpy as np
-
-        self._sum(np.zeros(1, np.int32))
 
     @property
     def input_plan(self) -> InputPlan:

@@ -9,7 +9,7 @@ Metric states are summed across processes at each epoch's end (and in
 every step where a callback reads batch logs), and the chief's initial state is
 broadcast to all, as on Horovod. torch.distributed uses gloo on CPUs and NCCL on GPUs
 (each process then drives the GPU of its local rank); both collective fronts are thin
-classes at the end of this module, and everything above them is shared.
+classes in `keras_dist.collectives`, and everything here is shared.
 
 Launch: `keras-dist launch --backend torch -n 2 train.py` (the default under
 `KERAS_BACKEND=torch`), `torchrun --nproc-per-node 2 train.py`, `horovodrun -np 2 python
@@ -17,16 +17,12 @@ train.py`, or any launcher whose cluster environment names a coordinator (`srun`
 `KERAS_DISTRIBUTION_*`).
 """
 
-import atexit
-import datetime
 import itertools
 import os
-import socket
-import time
 
-import numpy as np
-
-from keras_dist import environments, network, timeouts
+from keras_dist import environments
+from keras_dist.collectives.horovod import HorovodTorch
+from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
@@ -37,9 +33,6 @@ BUCKET_BYTES = 25 * 2**20
 # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): the last layers'
 # gradients go out while the backward pass goes on, even for a model under 25 MiB.
 FIRST_BUCKET_BYTES = 2**20
-# After a collective failed, how long each process waits for the others to say they saw
-# it fail too: those that do not are the ones that stopped (their machine frozen or gone).
-PEERS_SECONDS = 3.0
 
 
 class TorchDistributedStrategy(Strategy):
@@ -71,7 +64,7 @@ class TorchDistributedStrategy(Strategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // environment.local_size))
         if torch.cuda.is_available() and environment.size > 1:
             torch.cuda.set_device(environment.local_rank % torch.cuda.device_count())
-        self._collectives = _collectives(torch, environment)
+        self.collectives = _collectives(torch, environment)
         self.in_train_step = False  # gradient hooks start collectives only inside train steps
         # id(optimizer) -> its OverlappedGradients. Dropped at each compile, on every process
         # alike: hooks left to the garbage collector would start collectives on some only.
@@ -82,11 +75,11 @@ class TorchDistributedStrategy(Strategy):
 
     @property
     def rank(self) -> int:
-        return self._collectives.rank
+        return self.collectives.rank
 
     @property
     def size(self) -> int:
-        return self._collectives.size
+        return self.collectives.size
 
     # --- gradients --------------------------------------------------------------
     def prepare_model(self, model):
@@ -133,8 +126,8 @@ class TorchDistributedStrategy(Strategy):
             return [None if g is None else next(reduced) for g in grads]
 
         def all_finite(is_finite):
-            flag = torch.as_tensor(is_finite, dtype=torch.int32, device=self._collectives.device).reshape(1)
-            return self._collectives.min(flag)[0].to(torch.bool)
+            flag = torch.as_tensor(is_finite, dtype=torch.int32, device=self.collectives.device).reshape(1)
+            return self.collectives.min(flag)[0].to(torch.bool)
 
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
 
@@ -155,13 +148,13 @@ class TorchDistributedStrategy(Strategy):
 
         flat = _flatten_dense_tensors(tensors)
         wire = flat.to(self._torch.float16) if options.compression == "fp16" else flat
-        return self._collectives.start_sum(wire, name), wire
+        return self.collectives.start_sum(wire, name), wire
 
     def _finish_allreduce(self, started, tensors, options):
         """Waits for `_start_allreduce`; the summed (or averaged) tensors, shaped as `tensors`."""
         from torch._utils import _unflatten_dense_tensors
 
-        flat = self._collectives.wait(*started).to(tensors[0].dtype)
+        flat = self.collectives.wait(*started).to(tensors[0].dtype)
         if options.reduction == "mean":
             flat /= self.size
         return list(_unflatten_dense_tensors(flat, tensors))
@@ -172,40 +165,10 @@ class TorchDistributedStrategy(Strategy):
             return tensors
         return self._allreduce_in_buckets(tensors, GradientOptions(reduction="sum"), "metric_states_in_step")
 
-    # --- host-side collectives ----------------------------------------------------
-    def allgather_object(self, obj) -> list:
-        return self._collectives.allgather_object(obj) if self.size > 1 else [obj]
-
-    def broadcast_object(self, obj, root: int = 0):
-        return self._collectives.broadcast_object(obj, root) if self.size > 1 else obj
-
-    def broadcast_variables(self, variables, root: int = 0) -> None:
-        if self.size == 1:
-            return
-        for variable in variables:
-            value = variable.value
-            wire = value.detach().to(self._collectives.device)
-            self._collectives.broadcast_(wire, root)
-            with self._torch.no_grad():
-                value.copy_(wire.to(value.device))
-
-    def sum_arrays(self, arrays):
-        arrays = [np.asarray(a) for a in arrays]
-        if not arrays or self.size == 1:
-            return arrays
-        torch = self._torch
-        summed = self._allreduce_in_buckets([torch.from_numpy(np.array(a, np.float64)).to(self._collectives.device)
-                                             for a in arrays], GradientOptions(reduction="sum"), "sum_arrays")
-        return [s.cpu().numpy().reshape(a.shape).astype(a.dtype) for s, a in zip(summed, arrays)]
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            self._collectives.barrier()
-
     def describe(self) -> dict:
         # How many gradient buckets began their all-reduce during a backward pass: 0 means
         # no overlap (loss scaling, gradient accumulation, or a step without backward).
-        return {**super().describe(), "collectives": self._collectives.name,
+        return {**super().describe(),
                 "buckets_started_in_backward": sum(o.started_in_backward for o in self._overlapped.values())}
 
 
@@ -217,170 +180,8 @@ def _collectives(torch, environment):
         except Exception:  # not installed, or built without PyTorch (Horovod raises its own errors)
             pass
         else:
-            return HorovodTorchCollectives(torch, hvd)
-    return TorchDistributedCollectives(torch, environment)
-
-
-class TorchDistributedCollectives:
-    """`torch.distributed`: gloo on CPUs (CPU tensors), NCCL on GPUs (the local rank's GPU).
-
-    Starts the default process group where the launcher started several processes and
-    the script has not started one itself.
-    """
-
-    name = "torch.distributed"
-
-    def __init__(self, torch, environment):
-        import torch.distributed as dist
-
-        self._dist = dist
-        self._store = None  # where keras_dist started the process group: the job's store
-        if not dist.is_initialized() and environment.size > 1:
-            coordinator = environment.rendezvous()
-            if coordinator is None:
-                raise KerasDistError(f"the {environment.name} launcher names no coordinator for torch.distributed; "
-                                     "set MASTER_ADDR and MASTER_PORT, or launch with `keras-dist launch --backend torch`")
-            # A collective cannot tell a frozen peer from one busy with the chief's own work
-            # (a checkpoint) between steps, so it waits as long as a first step may take:
-            # bounded, where gloo's default is 30 minutes.
-            self.timeout = timeouts.first_steps()
-            advertised = network.choose_interface(os.environ, coordinator)
-            try:
-                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                        init_method=f"tcp://{coordinator}", rank=environment.rank,
-                                        world_size=environment.size, timeout=datetime.timedelta(seconds=self.timeout))
-            except RuntimeError as exc:  # DistBackendError and DistStoreError too
-                raise KerasDistError(
-                    f"rank {environment.rank} did not connect to the job at {coordinator} within {self.timeout:g} s, "
-                    f"advertising {advertised or socket.gethostname()} to its peers ({_first_line(exc)}); set "
-                    "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the interface the other machines reach, "
-                    f"or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart") from None
-            self._coordinator = coordinator
-            self._store = dist.distributed_c10d._get_default_store()
-            self._store.set(f"keras_dist/host/{environment.rank}", socket.gethostname())
-            # A process group left to interpreter shutdown can abort the process after the
-            # script ended well ("terminate called without an active exception": gloo's
-            # threads outlive Python; pytorch/pytorch#190489). keras_dist created it, so
-            # keras_dist destroys it while Python is still whole.
-            atexit.register(_destroy_process_group, dist)
-        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-        self.device = torch.device("cuda" if nccl else "cpu")
-
-    @property
-    def rank(self):
-        return self._dist.get_rank() if self._dist.is_initialized() else 0
-
-    @property
-    def size(self):
-        return self._dist.get_world_size() if self._dist.is_initialized() else 1
-
-    def start_sum(self, tensor, name):
-        """Starts summing `tensor` in place over processes; a handle for `wait`. `name`
-        (used by Horovod) is ignored: torch.distributed matches collectives by order."""
-        return self._dist.all_reduce(tensor, async_op=True)
-
-    def wait(self, handle, tensor):
-        """Waits for `start_sum`; the summed tensor."""
-        try:
-            handle.wait()
-        except RuntimeError as exc:  # a peer timed out or closed its connection
-            if self._store is None:
-                raise
-            raise KerasDistError(self._who_stopped(exc)) from None
-        return tensor
-
-    def _who_stopped(self, error) -> str:
-        """A one-line account of a failed collective that names the processes that stopped.
-
-        Each process that sees its collective fail notes so in the job's store; the ranks
-        that have not after `PEERS_SECONDS` stopped (a frozen or lost machine). The store
-        itself not answering means the coordinator's machine stopped.
-        """
-        store = self._store
-        store.set_timeout(datetime.timedelta(seconds=PEERS_SECONDS))
-        try:
-            store.set(f"keras_dist/failed/{self.rank}", "1")
-            time.sleep(PEERS_SECONDS)
-            silent = [r for r in range(self.size) if not store.check([f"keras_dist/failed/{r}"])]
-            stopped = ", ".join(f"rank {r} on {store.get(f'keras_dist/host/{r}').decode()}" for r in silent)
-        except RuntimeError:
-            stopped = f"the job's coordinator at {self._coordinator}"
-        return (f"{stopped or 'a peer'} stopped answering within {self.timeout:g} s ({_first_line(error)}): its "
-                f"machine froze, lost its network or ended; or raise {timeouts.STEP_TIMEOUT_VAR} if a step "
-                "or the chief's own work between steps takes that long")
-
-    def min(self, tensor):
-        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN)
-        return tensor
-
-    def allgather_object(self, obj):
-        gathered = [None] * self.size
-        self._dist.all_gather_object(gathered, obj)
-        return gathered
-
-    def broadcast_object(self, obj, root):
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=root)
-        return box[0]
-
-    def broadcast_(self, tensor, root):
-        self._dist.broadcast(tensor, src=root)
-
-    def barrier(self):
-        self._dist.barrier()
-
-
-class HorovodTorchCollectives:
-    """Horovod's torch operations (`horovod.torch`): Gloo, MPI or NCCL, as Horovod was built."""
-
-    name = "horovod"
-
-    def __init__(self, torch, hvd):
-        self._hvd = hvd
-        hvd.init()
-        self.device = torch.device("cuda" if torch.cuda.is_available() and hvd.nccl_built() else "cpu")
-
-    @property
-    def rank(self):
-        return self._hvd.rank()
-
-    @property
-    def size(self):
-        return self._hvd.size()
-
-    def start_sum(self, tensor, name):
-        # A name stable across steps lets Horovod's response cache skip the coordinator's
-        # negotiation; an unnamed operation gets a new name, and a full negotiation, each time.
-        return self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Sum)
-
-    def wait(self, handle, tensor):
-        return self._hvd.synchronize(handle)
-
-    def min(self, tensor):
-        return self._hvd.allreduce(tensor, op=self._hvd.Min)
-
-    # Named: Horovod's default name is the object's type, and processes that pass objects
-    # of different types (the chief's seed, the others' None) would wait for each other forever.
-    def allgather_object(self, obj):
-        return self._hvd.allgather_object(obj, name="keras_dist.allgather_object")
-
-    def broadcast_object(self, obj, root):
-        return self._hvd.broadcast_object(obj, root_rank=root, name="keras_dist.broadcast_object")
-
-    def broadcast_(self, tensor, root):
-        self._hvd.broadcast_(tensor, root_rank=root)
-
-    def barrier(self):
-        self._hvd.barrier()
-
-
-def _first_line(error) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def _destroy_process_group(dist):
-    if dist.is_initialized():
-        dist.destroy_process_group()
+            return HorovodTorch(torch, hvd)
+    return TorchDistributed(torch, environment)
 
 
 def tensor_buckets(tensors, first: int | None = None):
@@ -448,7 +249,7 @@ class OverlappedGradients:
 
     def _wait_all(self):
         for started, _ in self.started:
-            self.strategy._collectives.wait(*started)
+            self.strategy.collectives.wait(*started)
 
     def reduce(self, grads):
         """`grads` (this step's) each summed or averaged over processes."""

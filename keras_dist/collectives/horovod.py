@@ -1,0 +1,102 @@
+"""Horovod: its TensorFlow operations (`horovod.tensorflow`) and its torch ones (`horovod.torch`)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from keras_dist.collectives import Collectives
+from keras_dist.collectives.torch_distributed import TorchTensors
+
+
+class HorovodTensorFlow(Collectives):
+    """Horovod's TensorFlow operations. Eager operations are matched across processes by
+    name, so every call gets the next name of one sequence, the same on every process."""
+
+    name = "horovod"
+
+    def __init__(self, hvd: Any):
+        self._hvd = hvd
+        self._names = itertools.count()
+
+    @property
+    def rank(self) -> int:
+        return self._hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self._hvd.size()
+
+    def _name(self, kind: str) -> str:
+        return f"keras_dist.{kind}.{next(self._names)}"
+
+    def _allgather_object(self, obj: Any) -> list:
+        return self._hvd.allgather_object(obj, name=self._name("allgather_object"))
+
+    def _broadcast_object(self, obj: Any, root: int) -> Any:
+        return self._hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
+
+    def _broadcast_variables(self, variables: list, root: int) -> None:
+        for variable in variables:
+            variable.assign(self._hvd.broadcast(variable.value, root_rank=root, name=self._name("broadcast")))
+
+    def _sum_arrays(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        import tensorflow as tf
+
+        summed = self._hvd.grouped_allreduce([tf.convert_to_tensor(a) for a in arrays], op=self._hvd.Sum,
+                                             name=self._name("sum_arrays"))
+        return [s.numpy() for s in summed]
+
+    def _allgather_array(self, array: np.ndarray) -> np.ndarray:
+        return self._hvd.allgather(array, name=self._name("allgather")).numpy()
+
+    def _barrier(self) -> None:
+        import tensorflow as tf
+
+        self._hvd.allreduce(tf.zeros([1]), name=self._name("barrier"))
+
+
+class HorovodTorch(TorchTensors):
+    """Horovod's torch operations: Gloo, MPI or NCCL, as Horovod was built."""
+
+    name = "horovod"
+
+    def __init__(self, torch: Any, hvd: Any):
+        self._hvd = hvd
+        hvd.init()
+        self.device = torch.device("cuda" if torch.cuda.is_available() and hvd.nccl_built() else "cpu")
+
+    @property
+    def rank(self) -> int:
+        return self._hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self._hvd.size()
+
+    def start_sum(self, tensor: Any, name: str) -> Any:
+        # A name stable across steps lets Horovod's response cache skip the coordinator's
+        # negotiation; an unnamed operation gets a new name, and a full negotiation, each time.
+        return self._hvd.allreduce_async_(tensor, name=name, op=self._hvd.Sum)
+
+    def wait(self, handle: Any, tensor: Any) -> Any:
+        return self._hvd.synchronize(handle)
+
+    def min(self, tensor: Any) -> Any:
+        return self._hvd.allreduce(tensor, op=self._hvd.Min)
+
+    def broadcast_(self, tensor: Any, root: int) -> None:
+        self._hvd.broadcast_(tensor, root_rank=root)
+
+    # Named: Horovod's default name is the object's type, and processes that pass objects
+    # of different types (the chief's seed, the others' None) would wait for each other forever.
+    def _allgather_object(self, obj: Any) -> list:
+        return self._hvd.allgather_object(obj, name="keras_dist.allgather_object")
+
+    def _broadcast_object(self, obj: Any, root: int) -> Any:
+        return self._hvd.broadcast_object(obj, root_rank=root, name="keras_dist.broadcast_object")
+
+    def _barrier(self) -> None:
+        self._hvd.barrier()

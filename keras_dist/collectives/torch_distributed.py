@@ -1,0 +1,178 @@
+"""torch.distributed (gloo on CPUs, NCCL on GPUs), and what every torch engine shares."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from keras_dist import network, timeouts
+from keras_dist.collectives import Collectives, flatten, unflatten
+from keras_dist.environments import ClusterEnvironment
+from keras_dist.errors import KerasDistError
+
+# After a collective failed, how long each process waits for the others to say they saw
+# it fail too: those that do not are the ones that stopped (their machine frozen or gone).
+PEERS_SECONDS = 3.0
+
+
+class TorchTensors(Collectives):
+    """A torch engine: tensor operations (`start_sum`, `wait`, `min`, `broadcast_`) on
+    `device`, which the PyTorch strategy's gradient buckets use too, and the host-side
+    collectives built on them."""
+
+    device: Any = None
+
+    def start_sum(self, tensor: Any, name: str) -> Any:
+        """Starts summing `tensor` in place over processes; a handle for `wait`. `name` is
+        the same on every process for the same operation (Horovod caches by it)."""
+        raise NotImplementedError
+
+    def wait(self, handle: Any, tensor: Any) -> Any:
+        """Waits for `start_sum`; the summed tensor."""
+        raise NotImplementedError
+
+    def min(self, tensor: Any) -> Any:
+        """`tensor`'s elementwise minimum over processes."""
+        raise NotImplementedError
+
+    def broadcast_(self, tensor: Any, root: int) -> None:
+        """Overwrites `tensor` in place with `root`'s."""
+        raise NotImplementedError
+
+    def _sum_arrays(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        import torch
+
+        flat = torch.from_numpy(flatten(arrays)).to(self.device)
+        return unflatten(self.wait(self.start_sum(flat, "keras_dist.sum_arrays"), flat).cpu().numpy(), arrays)
+
+    def _broadcast_variables(self, variables: list, root: int) -> None:
+        import torch
+
+        for variable in variables:
+            value = variable.value
+            wire = value.detach().to(self.device)
+            self.broadcast_(wire, root)
+            with torch.no_grad():
+                value.copy_(wire.to(value.device))
+
+
+class TorchDistributed(TorchTensors):
+    """`torch.distributed`: gloo on CPUs (CPU tensors), NCCL on GPUs (the local rank's GPU).
+
+    Starts the default process group where the launcher started several processes and
+    the script has not started one itself.
+    """
+
+    name = "torch.distributed"
+
+    def __init__(self, torch: Any, environment: ClusterEnvironment):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._store = None  # where keras_dist started the process group: the job's store
+        if not dist.is_initialized() and environment.size > 1:
+            coordinator = environment.rendezvous()
+            if coordinator is None:
+                raise KerasDistError(f"the {environment.name} launcher names no coordinator for torch.distributed; "
+                                     "set MASTER_ADDR and MASTER_PORT, or launch with `keras-dist launch --backend torch`")
+            # A collective cannot tell a frozen peer from one busy with the chief's own work
+            # (a checkpoint) between steps, so it waits as long as a first step may take:
+            # bounded, where gloo's default is 30 minutes.
+            self.timeout = timeouts.first_steps()
+            advertised = network.choose_interface(os.environ, coordinator)
+            try:
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                        init_method=f"tcp://{coordinator}", rank=environment.rank,
+                                        world_size=environment.size, timeout=datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as exc:  # DistBackendError and DistStoreError too
+                raise KerasDistError(
+                    f"rank {environment.rank} did not connect to the job at {coordinator} within {self.timeout:g} s, "
+                    f"advertising {advertised or socket.gethostname()} to its peers ({_first_line(exc)}); set "
+                    "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the interface the other machines reach, "
+                    f"or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart") from None
+            self._coordinator = coordinator
+            self._store = dist.distributed_c10d._get_default_store()
+            self._store.set(f"keras_dist/host/{environment.rank}", socket.gethostname())
+            # A process group left to interpreter shutdown can abort the process after the
+            # script ended well ("terminate called without an active exception": gloo's
+            # threads outlive Python; pytorch/pytorch#190489). keras_dist created it, so
+            # keras_dist destroys it while Python is still whole.
+            atexit.register(_destroy_process_group, dist)
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        self.device = torch.device("cuda" if nccl else "cpu")
+
+    @property
+    def rank(self) -> int:
+        return self._dist.get_rank() if self._dist.is_initialized() else 0
+
+    @property
+    def size(self) -> int:
+        return self._dist.get_world_size() if self._dist.is_initialized() else 1
+
+    def start_sum(self, tensor: Any, name: str) -> Any:
+        # torch.distributed matches collectives by their order, not by name.
+        return self._dist.all_reduce(tensor, async_op=True)
+
+    def wait(self, handle: Any, tensor: Any) -> Any:
+        try:
+            handle.wait()
+        except RuntimeError as exc:  # a peer timed out or closed its connection
+            if self._store is None:
+                raise
+            raise KerasDistError(self._who_stopped(exc)) from None
+        return tensor
+
+    def _who_stopped(self, error: Exception) -> str:
+        """A one-line account of a failed collective that names the processes that stopped.
+
+        Each process that sees its collective fail notes so in the job's store; the ranks
+        that have not after `PEERS_SECONDS` stopped (a frozen or lost machine). The store
+        itself not answering means the coordinator's machine stopped.
+        """
+        store = self._store
+        store.set_timeout(datetime.timedelta(seconds=PEERS_SECONDS))
+        try:
+            store.set(f"keras_dist/failed/{self.rank}", "1")
+            time.sleep(PEERS_SECONDS)
+            silent = [r for r in range(self.size) if not store.check([f"keras_dist/failed/{r}"])]
+            stopped = ", ".join(f"rank {r} on {store.get(f'keras_dist/host/{r}').decode()}" for r in silent)
+        except RuntimeError:
+            stopped = f"the job's coordinator at {self._coordinator}"
+        return (f"{stopped or 'a peer'} stopped answering within {self.timeout:g} s ({_first_line(error)}): its "
+                f"machine froze, lost its network or ended; or raise {timeouts.STEP_TIMEOUT_VAR} if a step "
+                "or the chief's own work between steps takes that long")
+
+    def min(self, tensor: Any) -> Any:
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN)
+        return tensor
+
+    def broadcast_(self, tensor: Any, root: int) -> None:
+        self._dist.broadcast(tensor, src=root)
+
+    def _allgather_object(self, obj: Any) -> list:
+        gathered = [None] * self.size
+        self._dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def _broadcast_object(self, obj: Any, root: int) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=root)
+        return box[0]
+
+    def _barrier(self) -> None:
+        self._dist.barrier()
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _destroy_process_group(dist: Any) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
