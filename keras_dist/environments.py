@@ -14,6 +14,7 @@ print(env.name, env.rank, env.size, env.is_chief, env.coordinator)
 ```
 """
 
+import os
 import re
 import socket
 import time
@@ -73,9 +74,20 @@ class ClusterEnvironment:
         """
         return self.coordinator
 
+    @property
+    def threads_per_process(self) -> int:
+        """This machine's cores shared among its `local_size` processes: each sizes its thread
+        pools for all of them otherwise."""
+        return threads_per_process(self.local_size)
+
     def describe(self) -> dict:
         return {"cluster_environment": self.name, "rank": self.rank, "size": self.size,
                 "local_rank": self.local_rank, "local_size": self.local_size, "coordinator": self.coordinator}
+
+
+def threads_per_process(local_size: int) -> int:
+    """The cores of this machine divided among `local_size` processes (at least one each)."""
+    return max(1, (os.cpu_count() or 1) // local_size)
 
 
 def _first(environ, names, default=None):

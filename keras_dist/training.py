@@ -19,7 +19,6 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import keras
-import numpy as np
 
 from keras_dist import inputs, optimizer_hooks
 from keras_dist.logs import flat_logs, metric_results
@@ -169,9 +168,9 @@ class DistributedTraining:
         if set(flat) == set(metric_logs):
             return metric_logs
         others = sorted(k for k in flat if k not in metric_logs)
-        means = self.backend.sum_arrays([np.asarray(keras.ops.convert_to_numpy(flat[k]), np.float64) for k in others])
+        means = self.backend.collectives.mean_arrays([keras.ops.convert_to_numpy(flat[k]) for k in others])
         return {**{k: metric_logs[k] for k in flat if k in metric_logs},
-                **{k: float(total) / self.backend.size for k, total in zip(others, means)}}
+                **{k: float(mean) for k, mean in zip(others, means)}}
 
     def _sync_once(self):
         if not self.synced and self.backend.size > 1:

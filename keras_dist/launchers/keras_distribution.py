@@ -3,6 +3,7 @@
 import os
 import sys
 
+from keras_dist.environments import threads_per_process
 from keras_dist.launchers.base import Launcher, Task
 from keras_dist.launchers.processes import free_ports
 
@@ -24,7 +25,7 @@ class KerasDistributionLauncher(Launcher):
         if num_workers > 1 and "intra_op_parallelism_threads" not in flags:
             # Processes sharing this machine would each size XLA's CPU thread pool for all
             # of it; XLA reads its flags once, when JAX starts, so they go in up front.
-            threads = max(1, (os.cpu_count() or 1) // num_workers)
+            threads = threads_per_process(num_workers)
             env["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}".strip()
         return [Task(f"rank:{i}", [sys.executable, *argv], env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)})
                 for i in range(first, first + num_workers)]

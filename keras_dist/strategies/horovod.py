@@ -4,11 +4,10 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 `allgather`): its Keras integration does not work with Keras 3 (horovod issue 4290).
 """
 
-import os
 
 from keras_dist.collectives.horovod import HorovodTensorFlow
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
-from keras_dist.environments import MPIEnvironment
+from keras_dist.environments import MPIEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError
 
 
@@ -53,7 +52,7 @@ class HorovodStrategy(Strategy):
         # give each its share of the cores unless the user chose.
         local_size = cls.cluster_environment(environ).local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
-            environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_size))
+            environ["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
 
     @classmethod
     def cluster_environment(cls, environ) -> MPIEnvironment:

@@ -19,7 +19,7 @@ from keras_dist.collectives.tf_distribute import TFDistribute
 from keras_dist.strategies.base import InputPlan
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.callbacks.scratch import ScratchCallback
-from keras_dist.environments import TFConfigEnvironment
+from keras_dist.environments import TFConfigEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
 from keras_dist.tf_cluster import detected_cluster, prepare_server_process
@@ -56,7 +56,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         local_size = cls.cluster_environment(environ).local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             # Workers sharing this machine would each size a thread pool for all of it.
-            environ["TF_NUM_INTRAOP_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_size))
+            environ["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
         if _strategy is None:
             prepare_server_process(environ)
             _strategy = _make_strategy()

@@ -61,7 +61,7 @@ class TorchDistributedStrategy(Strategy):
         environment = self.environment
         if environment.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             # Processes sharing this machine would each size a thread pool for all of it.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // environment.local_size))
+            torch.set_num_threads(environment.threads_per_process)
         if torch.cuda.is_available() and environment.size > 1:
             torch.cuda.set_device(environment.local_rank % torch.cuda.device_count())
         self.collectives = _collectives(torch, environment)
