@@ -17,7 +17,7 @@ def compile(
     scale_learning_rate: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Compiles `model` for distributed training on the active backend.
+    """Compiles `model` for distributed training on the active strategy.
 
     Takes the same arguments as `model.compile`. Afterwards the model's unchanged
     `fit`, `evaluate` and `predict` run on every replica: batch sizes are per replica,
@@ -51,11 +51,11 @@ def compile(
         raise KerasDistError(f"gradient_reduction must be 'mean' or 'sum', got {gradient_reduction!r}")
     if gradient_compression not in (None, "fp16"):
         raise KerasDistError(f"gradient_compression must be None or 'fp16', got {gradient_compression!r}")
-    backend = runtime.current()
+    strategy = runtime.current()
     overrides.restore(model)  # compiled before: start again from Keras's own methods
-    backend.prepare_model(model)
-    kwargs = {**backend.compile_defaults(), **kwargs}
-    with backend.scope():
+    strategy.prepare_model(model)
+    kwargs = {**strategy.compile_defaults(), **kwargs}
+    with strategy.scope():
         model.compile(*args, **kwargs)
     options = GradientOptions(gradient_reduction, gradient_compression)
     for optimizer in optimizer_hooks.optimizers_of(model):
@@ -63,10 +63,10 @@ def compile(
             if part is not None:
                 overrides.restore(part)
         if scale_learning_rate:
-            with backend.scope():
-                _scale_learning_rate(optimizer, backend.num_replicas)
-        backend.distribute_optimizer(optimizer, options)
-    training.attach(model, backend, options)
+            with strategy.scope():
+                _scale_learning_rate(optimizer, strategy.num_replicas)
+        strategy.distribute_optimizer(optimizer, options)
+    training.attach(model, strategy, options)
 
 
 def _scale_learning_rate(optimizer, factor):

@@ -1,4 +1,4 @@
-"""The process-wide backend: chosen once, by `init`, and shared by everything else."""
+"""The process-wide strategy (the *backend* a user picks by name): chosen once, by `init`, shared by everything else."""
 
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +12,7 @@ _current = None
 
 
 def init(backend: str | None = None, **options: Any) -> "Strategy":
-    """Starts keras_dist in this process and returns the active backend.
+    """Starts keras_dist in this process and returns the active strategy.
 
     Calling it is optional: `keras_dist.compile` calls it. Call it yourself to pick a
     backend explicitly or to read the topology before building the model.
@@ -23,7 +23,7 @@ def init(backend: str | None = None, **options: Any) -> "Strategy":
         **options: backend options, e.g. `tpu="my-tpu"` for the `tpu` backend.
 
     Returns:
-        The backend, with `name`, `rank`, `size`, `local_rank`, `is_chief` and
+        The strategy, with `name`, `rank`, `size`, `local_rank`, `is_chief` and
         `num_replicas`.
 
     Example:
@@ -47,5 +47,5 @@ def init(backend: str | None = None, **options: Any) -> "Strategy":
 
 
 def current() -> "Strategy":
-    """The active backend, starting the default one if `init` was not called."""
+    """The active strategy, starting the default one if `init` was not called."""
     return _current if _current is not None else init()

@@ -1,4 +1,4 @@
-"""Runs one compiled model's `fit`, `evaluate` and `predict` on the active backend.
+"""Runs one compiled model's `fit`, `evaluate` and `predict` on the active strategy.
 
 `attach` replaces those three methods on the model object only (no Keras class is
 patched). Each wrapper splits the inputs, adjusts callbacks and verbosity for this
@@ -38,9 +38,9 @@ logger = logging.getLogger("keras_dist")
 class DistributedTraining:
     """The per-model state behind the wrapped methods."""
 
-    def __init__(self, model, backend, gradient_options):
+    def __init__(self, model, strategy, gradient_options):
         self.model = model
-        self.backend = backend
+        self.strategy = strategy
         self.gradient_options = gradient_options
         self.distributed_optimizers = {id(o) for o in optimizer_hooks.optimizers_of(model)}
         self.keras_fit = model.fit
@@ -60,21 +60,21 @@ class DistributedTraining:
         arguments = dict(bound.arguments)
         extra = arguments.pop("kwargs", {})
         arguments.update(extra)
-        arguments["callbacks"] = callbacks_for_this_worker(arguments.get("callbacks"), self.backend)
-        if not self.backend.is_chief:
+        arguments["callbacks"] = callbacks_for_this_worker(arguments.get("callbacks"), self.strategy)
+        if not self.strategy.is_chief:
             arguments["verbose"] = 0
         return arguments
 
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         self._distribute_new_optimizers()
         arguments = self._worker_args(self.keras_fit, args, kwargs)
-        if self.backend.reduces_in_keras_dist:
+        if self.strategy.reduces_in_keras_dist:
             self._choose_batch_logs(arguments["callbacks"])
-        if os.environ.get(RESTART, "0") != "0" and self.backend.is_chief and not any(
+        if os.environ.get(RESTART, "0") != "0" and self.strategy.is_chief and not any(
                 isinstance(c, keras.callbacks.BackupAndRestore) for c in arguments["callbacks"]):
             logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
                            "so training starts over; add one to resume where the job failed", os.environ[RESTART])
-        data, validation = inputs.fit(self.backend, _read(arguments, "steps_per_epoch"), arguments["validation_data"],
+        data, validation = inputs.fit(self.strategy, _read(arguments, "steps_per_epoch"), arguments["validation_data"],
                                       arguments["validation_split"], arguments["validation_batch_size"],
                                       arguments["validation_steps"])
         _write(arguments, data, "steps_per_epoch")
@@ -82,46 +82,46 @@ class DistributedTraining:
             arguments.update(validation_data=validation.as_validation_data(), validation_split=0.0)
             if arguments["validation_batch_size"] is not None:
                 arguments["validation_batch_size"] = validation.batch_size
-        if self.backend.size > 1:
+        if self.strategy.size > 1:
             # First at each epoch end, before user callbacks save; last at the start, after they restore.
-            arguments["callbacks"] = [ReplicaCheck(self.backend), *arguments["callbacks"], SyncInitialState(self.backend)]
+            arguments["callbacks"] = [ReplicaCheck(self.strategy), *arguments["callbacks"], SyncInitialState(self.strategy)]
         with self._flag("in_fit"):
-            history = self.backend.run_loop("fit", self.model, self.keras_fit, arguments)
+            history = self.strategy.run_loop("fit", self.model, self.keras_fit, arguments)
         self.synced = True
         return history
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        local_steps = self.backend.process_local_steps(self.model)
+        local_steps = self.strategy.process_local_steps(self.model)
         if self.in_fit:  # validation inside fit: inputs already split
             with self._flag("in_evaluate"), local_steps:
                 return self.keras_evaluate(*args, **kwargs)
         arguments = self._worker_args(self.keras_evaluate, args, kwargs)
-        _write(arguments, inputs.evaluate(self.backend, _read(arguments, "steps")), "steps")
+        _write(arguments, inputs.evaluate(self.strategy, _read(arguments, "steps")), "steps")
         self._sync_once()
         with self._flag("in_evaluate"), self._quiet_end_of_open_ended_input(), local_steps:
-            return self.backend.run_loop("evaluate", self.model, self.keras_evaluate, arguments)
+            return self.strategy.run_loop("evaluate", self.model, self.keras_evaluate, arguments)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         arguments = self._worker_args(self.keras_predict, args, kwargs)
-        data = inputs.predict(self.backend, _read(arguments, "steps"))
+        data = inputs.predict(self.strategy, _read(arguments, "steps"))
         _write(arguments, data, "steps")
         self._sync_once()
-        with self._quiet_end_of_open_ended_input(), self.backend.process_local_steps(self.model):
-            outputs = self.backend.run_loop("predict", self.model, self.keras_predict, arguments)
-        return inputs.gather_predictions(self.backend, data, outputs)
+        with self._quiet_end_of_open_ended_input(), self.strategy.process_local_steps(self.model):
+            outputs = self.strategy.run_loop("predict", self.model, self.keras_predict, arguments)
+        return inputs.gather_predictions(self.strategy, data, outputs)
 
     def _distribute_new_optimizers(self):
         """Optimizers the model took after compile (`model.g_optimizer = ...`) reduce too."""
         for optimizer in optimizer_hooks.optimizers_of(self.model):
             if id(optimizer) not in self.distributed_optimizers:
-                self.backend.distribute_optimizer(optimizer, self.gradient_options)
+                self.strategy.distribute_optimizer(optimizer, self.gradient_options)
                 self.distributed_optimizers.add(id(optimizer))
 
     def _choose_batch_logs(self, callbacks):
         """Sums metric states in every train step only if some worker's callback reads batch logs."""
         local = any(reads_batch_logs(c, TRAIN_BATCH_HOOKS) for c in callbacks)
         # Agreed by all: a step's collectives must match on every worker.
-        needed = any(self.backend.allgather_object(local)) if self.backend.size > 1 else local
+        needed = any(self.strategy.allgather_object(local)) if self.strategy.size > 1 else local
         if needed != self.global_batch_logs:
             self.global_batch_logs = needed
             self.model.train_function = None  # traced again with the other choice
@@ -130,7 +130,7 @@ class DistributedTraining:
         """Model metrics, as Keras's steps inside `fit` and `evaluate`, or the script, ask for them.
 
         Inside `fit` and `evaluate` the callers are steps (compiled, or eager as on
-        PyTorch): the states stay this process's, except in the train step of a backend
+        PyTorch): the states stay this process's, except in the train step of a strategy
         that reduces them itself (Horovod, PyTorch) where a callback reads batch logs
         (`_choose_batch_logs`). Evaluation shards may differ by one batch across
         processes, so a test step never reduces. Epoch and evaluation ends come through
@@ -139,9 +139,9 @@ class DistributedTraining:
         if not (self.in_fit or self.in_evaluate):
             return self.global_metrics_result()
         variables = [v for m in self.model.metrics for v in m.variables]
-        if not variables or not self.backend.reduces_in_keras_dist or self.in_evaluate or not self.global_batch_logs:
+        if not variables or not self.strategy.reduces_in_keras_dist or self.in_evaluate or not self.global_batch_logs:
             return self.keras_get_metrics_result()
-        return metric_results(self.model.metrics, self.backend.sum_across_processes_in_step([v.value for v in variables]))
+        return metric_results(self.model.metrics, self.strategy.sum_across_processes_in_step([v.value for v in variables]))
 
     def global_metrics_result(self) -> dict[str, Any]:
         """Model metrics computed from their states over every process (`Strategy.global_metric_states`)."""
@@ -149,7 +149,7 @@ class DistributedTraining:
         variables = [v for m in metrics for v in m.variables]
         if not variables:
             return self.keras_get_metrics_result()
-        return metric_results(metrics, self.backend.global_metric_states(variables))
+        return metric_results(metrics, self.strategy.global_metric_states(variables))
 
     def get_metrics_result_or_logs(self, logs: dict | None) -> dict[str, Any]:
         """Epoch logs: the global metric results, and the other keys of a custom step's logs averaged.
@@ -168,20 +168,20 @@ class DistributedTraining:
         if set(flat) == set(metric_logs):
             return metric_logs
         others = sorted(k for k in flat if k not in metric_logs)
-        means = self.backend.collectives.mean_arrays([keras.ops.convert_to_numpy(flat[k]) for k in others])
+        means = self.strategy.collectives.mean_arrays([keras.ops.convert_to_numpy(flat[k]) for k in others])
         return {**{k: metric_logs[k] for k in flat if k in metric_logs},
                 **{k: float(mean) for k, mean in zip(others, means)}}
 
     def _sync_once(self):
-        if not self.synced and self.backend.size > 1:
-            sync_model_state(self.model, self.backend)
+        if not self.synced and self.strategy.size > 1:
+            sync_model_state(self.model, self.strategy)
             self.synced = True
 
     @contextlib.contextmanager
     def _quiet_end_of_open_ended_input(self):
         # Keras warns "Your input ran out of data" where an open-ended input ends as planned.
         with warnings.catch_warnings():
-            if self.backend.input_plan.collective_steps:
+            if self.strategy.input_plan.collective_steps:
                 warnings.filterwarnings("ignore", message="Your input ran out of data")
             yield
 
@@ -200,11 +200,11 @@ def _write(arguments: dict, data: inputs.Inputs, steps: str) -> None:
     arguments.update((k, v) for k, v in data.arguments(steps).items() if k in arguments)
 
 
-def attach(model: keras.Model, backend: "Strategy", gradient_options: "GradientOptions") -> DistributedTraining:
+def attach(model: keras.Model, strategy: "Strategy", gradient_options: "GradientOptions") -> DistributedTraining:
     """Makes `model.fit/evaluate/predict` run distributed on `backend`."""
-    training = DistributedTraining(model, backend, gradient_options)
+    training = DistributedTraining(model, strategy, gradient_options)
     names = ["fit", "evaluate", "predict"]
-    if backend.size > 1 and backend.runs_keras_loops:  # Keras's own loops read logs
+    if strategy.size > 1 and strategy.runs_keras_loops:  # Keras's own loops read logs
         names += ["get_metrics_result", "_get_metrics_result_or_logs"]
     for name in names:
         override(model, name, getattr(training, name.lstrip("_")))

@@ -20,12 +20,12 @@ FILE_WRITING_CALLBACKS = (
 
 
 def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | keras.callbacks.CallbackList | None,
-                              backend: "Strategy") -> list[keras.callbacks.Callback]:
+                              strategy: "Strategy") -> list[keras.callbacks.Callback]:
     """The user's callbacks as this worker must run them.
 
     Args:
         callbacks: a list of callbacks, a `keras.callbacks.CallbackList`, or None.
-        backend: the active keras_dist backend.
+        strategy: the active keras_dist strategy.
 
     Returns:
         A new list. On the chief, every callback, checkpoints written atomically
@@ -36,8 +36,8 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     callbacks = list(callbacks or [])
-    if backend.is_chief:
-        return [backend.chief_file_callback(make_writes_atomic(c)) if isinstance(c, FILE_WRITING_CALLBACKS) else c
+    if strategy.is_chief:
+        return [strategy.chief_file_callback(make_writes_atomic(c)) if isinstance(c, FILE_WRITING_CALLBACKS) else c
                 for c in callbacks]
-    kept = [backend.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks]
+    kept = [strategy.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks]
     return [c for c in kept if c is not None]

@@ -23,16 +23,16 @@ class ReplicaCheck(keras.callbacks.Callback):
     A mismatch means some update was not reduced across workers.
 
     Args:
-        backend: the active keras_dist backend, with more than one process.
+        strategy: the active keras_dist strategy, with more than one process.
     """
 
-    def __init__(self, backend):
+    def __init__(self, strategy):
         super().__init__()
-        self.backend = backend
+        self.strategy = strategy
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        average_statistics(self.model, self.backend)
-        digests = self.backend.allgather_object(weights_digest(self.model.trainable_weights))
+        average_statistics(self.model, self.strategy)
+        digests = self.strategy.allgather_object(weights_digest(self.model.trainable_weights))
         differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
         if differing:
             raise KerasDistError(
@@ -50,11 +50,11 @@ def weights_digest(weights: Iterable[keras.Variable]) -> int:
     return digest
 
 
-def average_statistics(model: keras.Model, backend: "Strategy") -> None:
+def average_statistics(model: keras.Model, strategy: "Strategy") -> None:
     """Sets every float non-trainable weight of `model` to its mean over processes."""
     statistics = [w for w in model.non_trainable_weights if "float" in str(w.dtype)]
     if not statistics:
         return
-    sums = backend.sum_arrays([keras.ops.convert_to_numpy(w) for w in statistics])
+    sums = strategy.sum_arrays([keras.ops.convert_to_numpy(w) for w in statistics])
     for weight, total in zip(statistics, sums):
-        weight.assign(total / backend.size)
+        weight.assign(total / strategy.size)

@@ -25,20 +25,20 @@ class SyncInitialState(keras.callbacks.Callback):
     would otherwise hang the first collective.
 
     Args:
-        backend: the active keras_dist backend.
+        strategy: the active keras_dist strategy.
     """
 
-    def __init__(self, backend):
+    def __init__(self, strategy):
         super().__init__()
-        self.backend = backend
+        self.strategy = strategy
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        sync_model_state(self.model, self.backend)
+        sync_model_state(self.model, self.strategy)
         # BackupAndRestore (chief only) sets the epoch to resume from.
-        self.model._initial_epoch = self.backend.broadcast_object(self.model._initial_epoch)
+        self.model._initial_epoch = self.strategy.broadcast_object(self.model._initial_epoch)
 
 
-def sync_model_state(model: keras.Model, backend: "Strategy") -> None:
+def sync_model_state(model: keras.Model, strategy: "Strategy") -> None:
     """Checks the models match across processes, then copies the chief's state to all.
 
     With the job's shared seed (`keras_dist.startup`) the weights already agree, so the
@@ -47,27 +47,27 @@ def sync_model_state(model: keras.Model, backend: "Strategy") -> None:
     """
     optimizer = model.optimizer
     if optimizer is not None and not optimizer.built and model.built:  # an unbuilt model: fit builds both
-        with backend.scope():  # before any fit (evaluate first), nothing else opened it
+        with strategy.scope():  # before any fit (evaluate first), nothing else opened it
             optimizer.build(model.trainable_variables)
     # Optimizers a custom `compile` holds build on their first update, from zeros on every process.
     built = [o for o in optimizer_hooks.optimizers_of(model) if o.built]
     variables = list(model.weights) + [v for o in built for v in o.variables]
-    check_same_variables(variables, backend)
-    digests = backend.allgather_object(weights_digest(model.weights))
+    check_same_variables(variables, strategy)
+    digests = strategy.allgather_object(weights_digest(model.weights))
     differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
     if differing:
         logger.info("the weights of rank(s) %s differed from the chief's before training; all now start from the "
                     "chief's (a checkpoint it restored, or weights made per process)", differing)
-    backend.broadcast_variables(variables)
+    strategy.broadcast_variables(variables)
 
 
-def check_same_variables(variables: Iterable[keras.Variable], backend: "Strategy") -> None:
+def check_same_variables(variables: Iterable[keras.Variable], strategy: "Strategy") -> None:
     """Stops with a one-line error unless every process has variables of these paths and shapes.
 
     A collective over variables that differ would hang or fail deep inside TensorFlow.
     """
     signature = [(v.path, tuple(v.shape), str(v.dtype)) for v in variables]
-    signatures = backend.allgather_object(signature)
+    signatures = strategy.allgather_object(signature)
     for rank, other in enumerate(signatures):
         if other != signatures[0]:
             raise KerasDistError(
