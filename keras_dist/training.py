@@ -201,7 +201,7 @@ def _write(arguments: dict, data: inputs.Inputs, steps: str) -> None:
 
 
 def attach(model: keras.Model, strategy: "Strategy", gradient_options: "GradientOptions") -> DistributedTraining:
-    """Makes `model.fit/evaluate/predict` run distributed on `backend`."""
+    """Makes `model.fit/evaluate/predict` run distributed on `strategy`."""
     training = DistributedTraining(model, strategy, gradient_options)
     names = ["fit", "evaluate", "predict"]
     if strategy.size > 1 and strategy.runs_keras_loops:  # Keras's own loops read logs

@@ -39,14 +39,14 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self._is_chief = True
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from keras_dist.runtime import current
-
-        self._is_chief = current().is_chief
+        # The strategy keras_dist.compile attached to the model; none: one plain process.
+        training = getattr(self.model, "_keras_dist", None)
+        self._is_chief = training is None or training.strategy.is_chief
         self._done = False
         self._first_batch = True
         self._target = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         if self.start_factor is None:
-            self.start_factor = 1.0 / current().num_replicas
+            self.start_factor = 1.0 / (1 if training is None else training.strategy.num_replicas)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
