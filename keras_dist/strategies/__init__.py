@@ -11,8 +11,15 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from keras_dist.errors import KerasDistError
+
+if TYPE_CHECKING:
+    from keras_dist.launchers.base import Task
+    from keras_dist.launchers.nodes import Nodes
+    from keras_dist.strategies.base import Strategy
 
 # name -> (the Keras backend it trains on, "module:Class"); None: any. Order is detection
 # order. Adding a strategy adds one line here. Detection skips entries for another Keras
@@ -33,7 +40,7 @@ REGISTRY = {
 ENV_VAR = "KERAS_DIST_BACKEND"
 
 
-def keras_backend(environ):
+def keras_backend(environ: Mapping[str, str]) -> str:
     """The Keras backend this process runs or will run, read as Keras reads it.
 
     Without importing Keras: under TensorFlow that would start TensorFlow before a
@@ -51,7 +58,7 @@ def keras_backend(environ):
         return "tensorflow"
 
 
-def strategy_class(name):
+def strategy_class(name: str) -> type["Strategy"]:
     """The class registered under `name`; a one-line error lists the valid names."""
     if name not in REGISTRY:
         raise KerasDistError(
@@ -61,7 +68,7 @@ def strategy_class(name):
     return getattr(importlib.import_module(module), cls)
 
 
-def select(requested=None, environ=None):
+def select(requested: str | None = None, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     """Returns `(name, reason)` for the backend this process should use."""
     environ = os.environ if environ is None else environ
     running = keras_backend(environ)
@@ -78,7 +85,7 @@ def select(requested=None, environ=None):
     return "single", "no launcher detected"
 
 
-def create(name, environ=None, **options):
+def create(name: str, environ: Mapping[str, str] | None = None, **options: Any) -> "Strategy":
     """A started backend, given its cluster environment read from `environ` (default:
     `os.environ`); `options` go to its constructor (e.g. `tpu=` for `tpu`)."""
     cls = strategy_class(name)
@@ -88,7 +95,8 @@ def create(name, environ=None, **options):
     return cls(cls.cluster_environment(os.environ if environ is None else environ), **options)
 
 
-def local_cluster(name, num_workers, num_ps, argv, nodes=None):
+def local_cluster(name: str, num_workers: int, num_ps: int, argv: list[str],
+                  nodes: "Nodes | None" = None) -> list["Task"]:
     """The tasks (`keras_dist.launchers.Task`) that run `argv` under strategy `name` on this machine.
 
     `nodes` (`keras_dist.launchers.nodes.Nodes`) places this machine in a job of several.

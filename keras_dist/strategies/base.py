@@ -18,12 +18,18 @@ Three families fit behind it:
 import abc
 import contextlib
 import os
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
 
 from keras_dist import environments
 from keras_dist.collectives import SINGLE, Collectives
 from keras_dist.environments import ClusterEnvironment, LocalEnvironment
+
+if TYPE_CHECKING:
+    import keras
 
 
 @dataclass(frozen=True)
@@ -131,17 +137,17 @@ class Strategy(abc.ABC):
         self.environment = environment or LocalEnvironment()
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         """Whether the process was started by a launcher this strategy trains under."""
         return False
 
     @classmethod
-    def cluster_environment(cls, environ) -> ClusterEnvironment:
+    def cluster_environment(cls, environ: Mapping[str, str]) -> ClusterEnvironment:
         """This process's place in its job, read from `environ`: the launcher's that started it."""
         return environments.detect(environ)
 
     @classmethod
-    def prepare_process(cls, environ) -> None:
+    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
         """Called at `import keras_dist`, before the framework starts, when `detect` is true.
 
         The place for settings TensorFlow reads only once (thread pools, visible devices).
@@ -179,7 +185,7 @@ class Strategy(abc.ABC):
         """How this process reads the script's inputs (default: one shard per process)."""
         return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
 
-    def take_input(self, x, equal_steps: bool):
+    def take_input(self, x: Any, equal_steps: bool) -> Any:
         """What Keras reads for this process's split input `x` (default: `x` itself).
 
         `equal_steps`: every process's `x` is known to give the same number of batches of
@@ -188,7 +194,7 @@ class Strategy(abc.ABC):
         return x
 
     # --- model and optimizer --------------------------------------------------
-    def scope(self):
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
         """Context under which the model's and optimizer's variables must be created."""
         return contextlib.nullcontext()
 
@@ -196,16 +202,16 @@ class Strategy(abc.ABC):
         """`model.compile` arguments this backend needs unless the user gave them."""
         return {}
 
-    def prepare_model(self, model):
+    def prepare_model(self, model: "keras.Model") -> "keras.Model":
         """Returns the model to train (the same object unless variables had to move)."""
         return model
 
-    def process_local_steps(self, model):
+    def process_local_steps(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
         """Context in which `evaluate` and `predict` run: where the backend's steps are
         global computations, it makes them run on this process's shard alone."""
         return contextlib.nullcontext()
 
-    def run_loop(self, method: str, model, keras_method, arguments: dict):
+    def run_loop(self, method: str, model: "keras.Model", keras_method: Callable[..., Any], arguments: dict) -> Any:
         """Runs `model.fit`, `evaluate` or `predict` (`method`) with this worker's arguments.
 
         The default is Keras's own loop (`keras_method`). A backend whose steps Keras
@@ -214,34 +220,34 @@ class Strategy(abc.ABC):
         """
         return keras_method(**arguments)
 
-    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+    def distribute_optimizer(self, optimizer: "keras.optimizers.Optimizer", options: GradientOptions) -> None:
         """Makes `optimizer` reduce gradients across replicas before each update."""
 
-    def sum_across_processes_in_step(self, tensors):
+    def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> Sequence[Any]:
         """Sums a list of tensors over processes inside a train step (a `tf.function`, or an eager torch step)."""
         return tensors
 
     # --- host-side collectives (eager, outside the train step): `self.collectives` -------
-    def allgather_object(self, obj) -> list:
+    def allgather_object(self, obj: Any) -> list:
         """Every process's `obj`, in rank order, on every process."""
         return self.collectives.allgather_object(obj)
 
-    def broadcast_object(self, obj, root: int = 0):
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self.collectives.broadcast_object(obj, root)
 
-    def broadcast_variables(self, variables, root: int = 0) -> None:
+    def broadcast_variables(self, variables: Sequence["keras.Variable"], root: int = 0) -> None:
         """Overwrites `variables` on every process with their values on `root`."""
         self.collectives.broadcast_variables(variables, root)
 
-    def allgather_array(self, array):
+    def allgather_array(self, array: np.ndarray) -> np.ndarray:
         """Concatenates NumPy arrays of possibly different lengths, in rank order."""
         return self.collectives.allgather_array(array)
 
-    def sum_arrays(self, arrays):
+    def sum_arrays(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         """Each NumPy array summed over processes (same shapes on every process), as a list."""
         return self.collectives.sum_arrays(arrays)
 
-    def global_metric_states(self, variables) -> list:
+    def global_metric_states(self, variables: Sequence["keras.Variable"]) -> list:
         """The values of metric state `variables` over every process's batches, as NumPy arrays.
 
         By default each process holds its own share, summed here on the host.
@@ -253,11 +259,11 @@ class Strategy(abc.ABC):
     def barrier(self) -> None:
         self.collectives.barrier()
 
-    def chief_file_callback(self, callback):
+    def chief_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
         """A checkpoint or log callback as the chief runs it."""
         return callback
 
-    def worker_file_callback(self, callback):
+    def worker_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback | None":
         """What a worker other than the chief runs for a checkpoint or log callback: None
         (the default) to drop it, or a callback that takes part in collective saves
         without writing the user's files."""

@@ -1,7 +1,12 @@
 """`tf.distribute.experimental.CentralStorageStrategy`: variables on the CPU, compute on every local device."""
 
+from typing import TYPE_CHECKING
+
 from keras_dist import keras_workarounds
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy, local_replica_devices
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class CentralStorageStrategy(TFDistributeStrategy):
@@ -25,7 +30,7 @@ class CentralStorageStrategy(TFDistributeStrategy):
     keras_workarounds = TFDistributeStrategy.keras_workarounds + (keras_workarounds.metric_increments_added_once,
                                                                   keras_workarounds.layer_state_aggregated)
 
-    def make_strategy(self):
+    def make_strategy(self) -> "tf.distribute.Strategy":
         import tensorflow as tf
 
         return tf.distribute.experimental.CentralStorageStrategy(local_replica_devices(self.name), parameter_device="/cpu:0")

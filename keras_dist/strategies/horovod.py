@@ -5,10 +5,16 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 """
 
 
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
+
 from keras_dist.collectives.horovod import HorovodTensorFlow
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 from keras_dist.environments import MPIEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError
+
+if TYPE_CHECKING:
+    import keras
 
 
 def _import_horovod():
@@ -43,11 +49,11 @@ class HorovodStrategy(Strategy):
     reduces_in_keras_dist = True
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         return MPIEnvironment.detect(environ)
 
     @classmethod
-    def prepare_process(cls, environ) -> None:
+    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
         # N processes on one host would each start a thread pool as wide as the machine;
         # give each its share of the cores unless the user chose.
         local_size = cls.cluster_environment(environ).local_size
@@ -55,7 +61,7 @@ class HorovodStrategy(Strategy):
             environ["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
 
     @classmethod
-    def cluster_environment(cls, environ) -> MPIEnvironment:
+    def cluster_environment(cls, environ: Mapping[str, str]) -> MPIEnvironment:
         return MPIEnvironment.from_environ(environ)
 
     def __init__(self, environment: MPIEnvironment | None = None):
@@ -92,7 +98,7 @@ class HorovodStrategy(Strategy):
     def local_rank(self) -> int:
         return self._hvd.local_rank()
 
-    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+    def distribute_optimizer(self, optimizer: "keras.optimizers.Optimizer", options: GradientOptions) -> None:
         from keras_dist import optimizer_hooks
 
         hvd = self._hvd
@@ -123,5 +129,5 @@ class HorovodStrategy(Strategy):
 
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
 
-    def sum_across_processes_in_step(self, tensors):
+    def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list[Any]:
         return self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum)

@@ -21,6 +21,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -203,11 +205,11 @@ class JaxDataParallelStrategy(Strategy):
     shares_random_seed = True
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         return environments.detect(environ).size > 1
 
     @classmethod
-    def prepare_process(cls, environ) -> None:
+    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
         _start_process_group(environ)
 
     def __init__(self, environment: ClusterEnvironment | None = None):
@@ -241,20 +243,20 @@ class JaxDataParallelStrategy(Strategy):
         # Evaluation and prediction steps run per process (`process_local_steps`).
         return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
 
-    def prepare_model(self, model):
+    def prepare_model(self, model: keras.Model) -> keras.Model:
         # Variables made before keras_dist started (the script built its model first)
         # live on one device; the step needs them replicated over the global mesh.
         _replicate(model.variables)
         return model
 
-    def run_loop(self, method: str, model, keras_method, arguments: dict):
+    def run_loop(self, method: str, model: keras.Model, keras_method: Callable[..., Any], arguments: dict) -> Any:
         # Variables the script made before keras_dist started (metric objects, a model
         # built first) would sit on one device where the global step needs them everywhere.
         if method == "fit":
             _replicate(_variables_of(model))
         return keras_method(**arguments)
 
-    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+    def distribute_optimizer(self, optimizer: keras.optimizers.Optimizer, options: GradientOptions) -> None:
         # The sharded train step averages gradients itself (XLA's all-reduce).
         if options.compression is not None or options.reduction != "mean":
             raise KerasDistError("backend 'jax' averages gradients inside XLA's step; drop gradient_compression "
@@ -262,13 +264,13 @@ class JaxDataParallelStrategy(Strategy):
         _replicate(optimizer.variables)  # its step counter exists from the optimizer's creation
 
     # --- work one process does alone --------------------------------------------------
-    def global_metric_states(self, variables) -> list:
+    def global_metric_states(self, variables: Sequence[keras.Variable]) -> list:
         if self._local_depth == 0:  # a train step is one computation over all processes
             return [keras.ops.convert_to_numpy(v.value) for v in variables]
         return super().global_metric_states(variables)
 
     @contextlib.contextmanager
-    def process_local_steps(self, model):
+    def process_local_steps(self, model: keras.Model) -> Iterator[None]:
         """Runs Keras on this process's devices alone: `evaluate`, `predict`, the chief's saves.
 
         Under a multi-process distribution, every step, and even every assignment to a
@@ -306,7 +308,7 @@ class JaxDataParallelStrategy(Strategy):
             model.test_function, model.predict_function = global_functions
             _replicate(_variables_of(model))  # those made meanwhile too (a model built by evaluate)
 
-    def chief_file_callback(self, callback):
+    def chief_file_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
         """The chief saves and restores alone, so process-locally; its other hooks (and
         the log callbacks, which only read) stay as they are, off the per-batch path."""
         if getattr(callback, "_keras_dist_saves_locally", False):

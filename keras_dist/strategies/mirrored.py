@@ -1,8 +1,14 @@
 """`tf.distribute.MirroredStrategy`: one process, one replica per local GPU (or CPU device)."""
 
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 from keras_dist.keras_workarounds import with_undivided_losses
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy, local_replica_devices
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 def _visible_gpu_count(environ):
@@ -25,10 +31,10 @@ class MirroredStrategy(TFDistributeStrategy):
     name = "mirrored"
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         return (_visible_gpu_count(environ) or 0) > 1 and "TF_CONFIG" not in environ
 
-    def make_strategy(self):
+    def make_strategy(self) -> "tf.distribute.Strategy":
         import tensorflow as tf
 
         return with_undivided_losses(tf.distribute.MirroredStrategy)(local_replica_devices(self.name))

@@ -13,6 +13,8 @@ import os
 import re
 import sys
 import weakref
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 from keras_dist import keras_workarounds
 from keras_dist.collectives.tf_distribute import TFDistribute
@@ -23,6 +25,10 @@ from keras_dist.environments import TFConfigEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
 from keras_dist.tf_cluster import detected_cluster, prepare_server_process
+
+if TYPE_CHECKING:
+    import keras
+    import tensorflow as tf
 
 # Created by `prepare_process`: collective ops must be configured at program start-up.
 _strategy = None
@@ -46,12 +52,12 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
                          functools.partial(keras_workarounds.step_functions, scalar_logs=True, skip_empty_batches=True))
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         cluster = detected_cluster(environ)  # {} when unreadable: this backend reports what is wrong
         return cluster is not None and not cluster.get("ps")
 
     @classmethod
-    def prepare_process(cls, environ) -> None:
+    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
         global _strategy
         local_size = cls.cluster_environment(environ).local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
@@ -62,7 +68,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
             _strategy = _make_strategy()
 
     @classmethod
-    def cluster_environment(cls, environ) -> TFConfigEnvironment:
+    def cluster_environment(cls, environ: Mapping[str, str]) -> TFConfigEnvironment:
         return TFConfigEnvironment.from_environ(environ)
 
     def __init__(self, environment: TFConfigEnvironment):
@@ -72,10 +78,10 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         super().__init__(environment)
         self.collectives = TFDistribute(self.strategy, environment.rank, environment.size)
 
-    def make_strategy(self):
+    def make_strategy(self) -> "tf.distribute.Strategy":
         return _strategy if _strategy is not None else _make_strategy()
 
-    def prepare_model(self, model):
+    def prepare_model(self, model: "keras.Model") -> "keras.Model":
         from keras_dist.callbacks.sync_state import check_same_variables
 
         # Moving variables under the strategy broadcasts them: check the models match first.
@@ -84,7 +90,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         predict_locally(model, self.strategy)
         return model
 
-    def run_loop(self, method: str, model, keras_method, arguments: dict):
+    def run_loop(self, method: str, model: "keras.Model", keras_method: Callable[..., Any], arguments: dict) -> Any:
         import tensorflow as tf
 
         try:
@@ -112,14 +118,14 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         # Every step is a collective: uneven evaluation shards must still end together.
         return dataclasses.replace(super().input_plan, collective_steps=True)
 
-    def take_input(self, x, equal_steps: bool):
+    def take_input(self, x: Any, equal_steps: bool) -> Any:
         from keras_dist.inputs import is_tf_dataset
 
         if equal_steps and is_tf_dataset(x):  # arrays become a dataset later, inside Keras
             self.strategy.equal_steps.add(x)
         return x
 
-    def worker_file_callback(self, callback):
+    def worker_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
         # Saving is a collective too: the other workers save into scratch directories.
         return ScratchCallback(callback)
 
@@ -150,7 +156,7 @@ def _end_now() -> None:
     os._exit(1)
 
 
-def predict_locally(model, strategy):
+def predict_locally(model: "keras.Model", strategy: "tf.distribute.Strategy") -> None:
     """Makes `model.predict` return this worker's outputs only, in input order.
 
     Keras all-gathers predictions across workers at every step, which suits TF's own

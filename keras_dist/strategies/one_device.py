@@ -1,8 +1,13 @@
 """`tf.distribute.OneDeviceStrategy`: one process, one replica, on a device of your choice."""
 
+from typing import TYPE_CHECKING
+
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class OneDeviceStrategy(TFDistributeStrategy):
@@ -30,7 +35,7 @@ class OneDeviceStrategy(TFDistributeStrategy):
         self.requested_device = device  # keras_dist.init(backend="one_device", device=...)
         super().__init__(environment)
 
-    def make_strategy(self):
+    def make_strategy(self) -> "tf.distribute.Strategy":
         import tensorflow as tf
 
         local = [d.name for d in tf.config.list_logical_devices()]

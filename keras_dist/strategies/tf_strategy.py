@@ -5,7 +5,9 @@ these backends hand out `strategy.scope()` and say how inputs are split; keras_d
 no reduction of its own (`reduces_in_keras_dist` stays False).
 """
 
-from typing import Callable, ClassVar
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import tensorflow as tf
 
@@ -14,6 +16,9 @@ from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.keras_workarounds import UNDIVIDED_LOSSES
 from keras_dist.strategies.base import Strategy, GradientOptions
+
+if TYPE_CHECKING:
+    import keras
 
 
 class TFDistributeStrategy(Strategy):
@@ -32,7 +37,7 @@ class TFDistributeStrategy(Strategy):
         super().__init__(environment)
         self.strategy = self.make_strategy()
 
-    def make_strategy(self):
+    def make_strategy(self) -> tf.distribute.Strategy:
         """The `tf.distribute.Strategy` this backend runs (called once, in `__init__`)."""
         raise NotImplementedError
 
@@ -40,10 +45,10 @@ class TFDistributeStrategy(Strategy):
     def num_replicas(self) -> int:
         return self.strategy.num_replicas_in_sync
 
-    def scope(self):
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
         return self.strategy.scope()
 
-    def global_metric_states(self, variables) -> list:
+    def global_metric_states(self, variables: Sequence["keras.Variable"]) -> list:
         """Summed over processes explicitly, each process's replicas first: reading a
         per-replica (sync-on-read) variable may itself aggregate over every worker,
         depending on the context."""
@@ -57,7 +62,7 @@ class TFDistributeStrategy(Strategy):
 
         return self.sum_arrays([this_process(v) for v in variables])
 
-    def prepare_model(self, model):
+    def prepare_model(self, model: "keras.Model") -> "keras.Model":
         """Moves `model`'s variables under the strategy, in place, keeping their values.
 
         The usual script builds its model before `keras_dist.compile`, outside any scope;
@@ -72,7 +77,7 @@ class TFDistributeStrategy(Strategy):
             workaround(model, self.strategy)
         return model
 
-    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+    def distribute_optimizer(self, optimizer: "keras.optimizers.Optimizer", options: GradientOptions) -> None:
         # The strategy sums gradients; each replica's are divided by the replica count
         # first (by Keras's loss scaling, or below where losses are not divided): a mean.
         if options.reduction != "mean":
@@ -99,7 +104,7 @@ def _divided(gradient, count):
     return gradient / tf.cast(count, gradient.dtype)
 
 
-def adopt_optimizer(optimizer, strategy):
+def adopt_optimizer(optimizer: "keras.optimizers.Optimizer", strategy: tf.distribute.Strategy) -> None:
     """Puts a Keras optimizer made outside any scope (the usual script) under `strategy`.
 
     A Keras optimizer keeps the strategy current when it was made; building its slots
@@ -119,7 +124,7 @@ def adopt_optimizer(optimizer, strategy):
                 part._trainable_variables_indices = {part._var_key(v): i for i, v in enumerate(part._trainable_variables)}
 
 
-def local_replica_devices(backend_name):
+def local_replica_devices(backend_name: str) -> list[str]:
     """Devices for one replica each: every local GPU, else every logical CPU device.
 
     Logical CPU devices (`tf.config.set_logical_device_configuration`) let a
@@ -142,7 +147,7 @@ def local_replica_devices(backend_name):
     return devices
 
 
-def move_variables(model, strategy):
+def move_variables(model: "keras.Model | keras.optimizers.Optimizer", strategy: tf.distribute.Strategy) -> None:
     """Re-creates every initialized variable of `model` under `strategy`, values kept.
 
     Args:

@@ -19,6 +19,8 @@ train.py`, or any launcher whose cluster environment names a coordinator (`srun`
 
 import itertools
 import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from keras_dist import environments
 from keras_dist.collectives.horovod import HorovodTorch
@@ -27,6 +29,10 @@ from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
+
+if TYPE_CHECKING:
+    import keras
+    import torch
 
 # Gradients travel in flat buckets of about this size: few collectives, bounded copies.
 BUCKET_BYTES = 25 * 2**20
@@ -44,7 +50,7 @@ class TorchDistributedStrategy(Strategy):
     shares_random_seed = True
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         return environments.detect(environ).size > 1
 
     def __init__(self, environment: ClusterEnvironment | None = None):
@@ -82,7 +88,7 @@ class TorchDistributedStrategy(Strategy):
         return self.collectives.size
 
     # --- gradients --------------------------------------------------------------
-    def prepare_model(self, model):
+    def prepare_model(self, model: "keras.Model") -> "keras.Model":
         for overlapped in self._overlapped.values():
             overlapped.remove()
         self._overlapped.clear()
@@ -99,7 +105,7 @@ class TorchDistributedStrategy(Strategy):
             override(model, "train_step", train_step)
         return model
 
-    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+    def distribute_optimizer(self, optimizer: "keras.optimizers.Optimizer", options: GradientOptions) -> None:
         import keras
 
         from keras_dist import optimizer_hooks
@@ -159,7 +165,7 @@ class TorchDistributedStrategy(Strategy):
             flat /= self.size
         return list(_unflatten_dense_tensors(flat, tensors))
 
-    def sum_across_processes_in_step(self, tensors):
+    def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list["torch.Tensor"]:
         tensors = [self._torch.as_tensor(t) for t in tensors]
         if self.size == 1:
             return tensors
@@ -184,7 +190,7 @@ def _collectives(torch, environment):
     return TorchDistributed(torch, environment)
 
 
-def tensor_buckets(tensors, first: int | None = None):
+def tensor_buckets(tensors: Sequence["torch.Tensor"], first: int | None = None) -> list[list["torch.Tensor"]]:
     """`tensors` in consecutive runs of one dtype of about `bucket_bytes()` (`buckets`); the first run
     of about `first` bytes where the user chose no bucket size."""
     limit = bucket_bytes(BUCKET_BYTES)
@@ -251,7 +257,7 @@ class OverlappedGradients:
         for started, _ in self.started:
             self.strategy.collectives.wait(*started)
 
-    def reduce(self, grads):
+    def reduce(self, grads: Sequence["torch.Tensor"]) -> list["torch.Tensor"]:
         """`grads` (this step's) each summed or averaged over processes."""
         if self.started:  # hooks fired this step, on every process: finish every bucket
             while len(self.started) < len(self.buckets):
@@ -272,7 +278,7 @@ class OverlappedGradients:
         late = iter(self.strategy._allreduce_in_buckets(late, self.options, f"{self.name}.late"))
         return [next(late) if value is None else value for value in out]
 
-    def remove(self):
+    def remove(self) -> None:
         """Removes the hooks, after any all-reduce still running."""
         self._wait_all()
         for hook in self.hooks:

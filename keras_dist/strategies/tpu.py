@@ -1,18 +1,24 @@
 """`tf.distribute.TPUStrategy`: the cores of a Cloud TPU (TPU VM or TPU node)."""
 
 import glob
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from keras_dist import keras_workarounds
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
 
+if TYPE_CHECKING:
+    import tensorflow as tf
+
 # Steps run per host call unless the script sets `steps_per_execution` itself: a TPU
 # step is short, and a host round trip per step would leave the TPU idle.
 DEFAULT_STEPS_PER_EXECUTION = 32
 
 
-def tpu_address(environ, requested=None, device_globs=("/dev/accel*", "/dev/vfio/[0-9]*")):
+def tpu_address(environ: Mapping[str, str], requested: str | None = None,
+                device_globs: Sequence[str] = ("/dev/accel*", "/dev/vfio/[0-9]*")) -> str | None:
     """The `tpu` argument for `TPUClusterResolver`, or None when no TPU is in sight.
 
     Args:
@@ -54,10 +60,10 @@ class TPUStrategy(TFDistributeStrategy):
         super().__init__(environment)
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         return bool(environ.get("TPU_NAME") or environ.get("KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS"))
 
-    def make_strategy(self):
+    def make_strategy(self) -> "tf.distribute.Strategy":
         import os
 
         import tensorflow as tf
@@ -80,6 +86,6 @@ class TPUStrategy(TFDistributeStrategy):
             ) from None
         return tf.distribute.TPUStrategy(resolver)
 
-    def compile_defaults(self):
+    def compile_defaults(self) -> dict:
         """Arguments `model.compile` gets unless the script passes them."""
         return {"steps_per_execution": DEFAULT_STEPS_PER_EXECUTION}

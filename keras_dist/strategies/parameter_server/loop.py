@@ -4,6 +4,8 @@ import itertools
 import sys
 import threading
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -204,9 +206,12 @@ class CoordinatedSteps:
         raise KerasDistError("the input has no batches; check that x is not empty")
 
     # --- fit ------------------------------------------------------------------
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
-            validation_data=None, shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
-            steps_per_epoch=None, validation_steps=None, validation_batch_size=None, validation_freq=1):
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: str | int = "auto", callbacks: Sequence[keras.callbacks.Callback] | None = None,
+            validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+            class_weight: dict[int, float] | None = None, sample_weight: Any = None, initial_epoch: int = 0,
+            steps_per_epoch: int | None = None, validation_steps: int | None = None,
+            validation_batch_size: int | None = None, validation_freq: int = 1) -> keras.callbacks.History:
         model = self.model
         if validation_split:
             raise KerasDistError("validation_split needs NumPy arrays under backend 'parameter_server'; "
@@ -284,8 +289,10 @@ class CoordinatedSteps:
             ("on_predict_batch_begin", "on_predict_batch_end")
         return callbacks, lambda: self._run(self._step_function(kind), ((b,) for b in dataset), callbacks, hooks)
 
-    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, steps=None,
-                 callbacks=None, return_dict=False, **kwargs):
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: str | int = "auto",
+                 sample_weight: Any = None, steps: int | None = None,
+                 callbacks: Sequence[keras.callbacks.Callback] | keras.callbacks.CallbackList | None = None,
+                 return_dict: bool = False, **kwargs: Any) -> float | np.ndarray | list[Any] | dict[str, Any]:
         if kwargs:
             raise KerasDistError(f"evaluate got unknown arguments {sorted(kwargs)}; remove them")
         callbacks, run = self._run_chief_batches("test", x, y, sample_weight, batch_size, steps, callbacks, verbose)
@@ -294,7 +301,8 @@ class CoordinatedSteps:
         callbacks.on_test_end(logs)
         return logs if return_dict else self.model._flatten_metrics_in_order(logs)
 
-    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto", steps: int | None = None,
+                callbacks: Sequence[keras.callbacks.Callback] | keras.callbacks.CallbackList | None = None) -> Any:
         callbacks, run = self._run_chief_batches("predict", x, None, None, batch_size, steps, callbacks, verbose)
         callbacks.on_predict_begin()
         outputs = run()
@@ -359,7 +367,7 @@ def _known_length(dataset):
     return count if count >= 0 else None
 
 
-def refuse_batch_log_readers(callbacks):
+def refuse_batch_log_readers(callbacks: keras.callbacks.CallbackList) -> None:
     """One-line error for a callback that needs per-batch logs, which exist only per epoch.
 
     Steps run asynchronously on the workers; batch hooks are called as steps are

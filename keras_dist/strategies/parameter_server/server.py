@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 
 import tensorflow as tf
 
@@ -35,7 +36,7 @@ CHIEF_GONE_SECONDS = 5.0
 CHIEF_START_SECONDS = 900.0
 
 
-def ps_cluster(environ):
+def ps_cluster(environ: Mapping[str, str]) -> tuple[dict[str, list[str]], str, int]:
     """`(cluster, task_type, index)` of a TF_CONFIG that lists ps tasks, with one-line errors."""
     cluster, kind, index = parse_tf_config(environ.get("TF_CONFIG", ""))
     if not cluster.get("ps") or not cluster.get("worker"):

@@ -4,6 +4,9 @@ The Keras bugs this meets are worked around in `keras_dist.keras_workarounds`
 (keras-team/keras#18624); here is what the strategy builds on them.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import keras
 import tensorflow as tf
 
@@ -12,7 +15,7 @@ from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override
 
 
-def train_step(model):
+def train_step(model: keras.Model) -> Callable[[Any], Any]:
     """Keras's `train_step` made to work with variables a partitioner split over ps tasks."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
@@ -29,7 +32,7 @@ def train_step(model):
     return step
 
 
-def embedding_lookups_by_shard(model):
+def embedding_lookups_by_shard(model: keras.Model) -> None:
     """Makes each sharded `Embedding` of `model` gather its rows shard by shard.
 
     Keras's `Embedding` reads its whole table (`ops.take`), which for a ShardedVariable

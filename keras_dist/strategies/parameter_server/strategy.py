@@ -1,9 +1,12 @@
 """The parameter-server strategy, as the chief runs it (`keras_dist.init` on the chief)."""
 
+import contextlib
 import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -67,11 +70,11 @@ class ParameterServerStrategy(Strategy):
     launcher = "tf_config_with_ps"
 
     @classmethod
-    def detect(cls, environ) -> bool:
+    def detect(cls, environ: Mapping[str, str]) -> bool:
         return bool((detected_cluster(environ) or {}).get("ps"))
 
     @classmethod
-    def prepare_process(cls, environ) -> None:
+    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
         ps_cluster(environ)  # its one-line errors first
         prepare_server_process(environ)
         cluster, kind, index = ps_cluster(environ)  # as it may have rewritten TF_CONFIG
@@ -85,7 +88,7 @@ class ParameterServerStrategy(Strategy):
                                                   job_name="chief")
 
     @classmethod
-    def cluster_environment(cls, environ) -> TFConfigEnvironment:
+    def cluster_environment(cls, environ: Mapping[str, str]) -> TFConfigEnvironment:
         ps_cluster(environ)  # its one-line errors first
         return TFConfigEnvironment.from_environ(environ)
 
@@ -118,16 +121,16 @@ class ParameterServerStrategy(Strategy):
     def replicas_per_process(self) -> int:
         return 1  # the chief reads batches of the script's size; each runs on one worker
 
-    def scope(self):
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
         return self.strategy.scope()
 
-    def prepare_model(self, model):
+    def prepare_model(self, model: keras.Model) -> keras.Model:
         move_variables(model, self.strategy)
         keras_workarounds.sharded_variables_savable(model.variables)  # saving before fit too
         self._steps.pop(model, None)  # a recompiled model gets new step functions
         return model
 
-    def distribute_optimizer(self, optimizer, options: GradientOptions) -> None:
+    def distribute_optimizer(self, optimizer: keras.optimizers.Optimizer, options: GradientOptions) -> None:
         if options.reduction != "mean" or options.compression:
             raise KerasDistError("backend 'parameter_server' applies each worker's gradients as they come; "
                                  "drop gradient_reduction and gradient_compression")
@@ -148,7 +151,7 @@ class ParameterServerStrategy(Strategy):
         return {**super().describe(), "workers": self.num_workers, "strategy": "ParameterServerStrategy",
                 "variable_partitioner": type(partitioner).__name__ if partitioner else None}
 
-    def run_loop(self, method, model, keras_method, arguments):
+    def run_loop(self, method: str, model: keras.Model, keras_method: Callable[..., Any], arguments: dict) -> Any:
         if model.run_eagerly:
             raise KerasDistError("backend 'parameter_server' runs steps on workers as tf.functions; drop "
                                  "run_eagerly=True (debug eagerly with KERAS_DIST_BACKEND=single)")
