@@ -7,15 +7,34 @@ model.fit(x, y, batch_size=64)   # per-replica batch; runs on every backend
 ```
 """
 
+import importlib
+
 from keras_dist import startup as _startup
+from keras_dist.errors import KerasDistError
 
 _startup.start()  # what importing keras_dist does to this process: see keras_dist.startup
 
-from keras_dist import callbacks  # noqa: E402
-from keras_dist.compile import compile  # noqa: E402
-from keras_dist.errors import KerasDistError  # noqa: E402
-from keras_dist.runtime import current, init  # noqa: E402
-from keras_dist.inputs import distribute_dataset  # noqa: E402
-
 __version__ = "0.1.0"
 __all__ = ["KerasDistError", "callbacks", "compile", "current", "distribute_dataset", "init"]
+
+# The public names, imported on first use: they import Keras, which tools (`keras-dist
+# launch`, `keras-dist info`) never need.
+_LAZY = {"callbacks": ("keras_dist.callbacks", None), "compile": ("keras_dist.compile", "compile"),
+         "current": ("keras_dist.runtime", "current"), "init": ("keras_dist.runtime", "init"),
+         "distribute_dataset": ("keras_dist.inputs", "distribute_dataset")}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'keras_dist' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = importlib.import_module(module)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    # Importing the submodule `keras_dist.compile` bound that name to the module: the function wins.
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

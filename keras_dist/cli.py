@@ -52,7 +52,7 @@ INTERRUPTED = (130, 143)
 
 def _uses_directory(backend):
     """Whether the backend's machines must learn each other's addresses (TF_CONFIG), not just the master's."""
-    return strategies.strategy_class(backend).launcher.startswith("tf_config")
+    return strategies.launcher_of(backend).startswith("tf_config")
 
 
 def _info(args):
@@ -65,7 +65,7 @@ def _info(args):
     facts = {"keras_backend": keras.backend.backend(), "keras": keras.__version__,
              **environments.detect(os.environ).describe(),
              "backend": name, "strategy": f"{strategy.__module__}.{strategy.__qualname__}", "why": reason,
-             "local_launcher": strategy.launcher or None}
+             "local_launcher": strategies.launcher_of(name) or None}
     if keras.backend.backend() == "jax":
         import jax
 

@@ -11,7 +11,6 @@ import runner  # noqa: E402
 
 from keras_dist import strategies  # noqa: E402
 from keras_dist import launchers
-from keras_dist.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy  # noqa: E402
 from keras_dist.tf_cluster import parse_tf_config  # noqa: E402
 from keras_dist.errors import KerasDistError  # noqa: E402
 
@@ -68,9 +67,9 @@ def test_bad_tf_config_gets_a_one_line_error(text, fix):
 
 
 def test_launcher_gives_each_worker_its_own_tf_config():
-    tasks = launchers.create(MultiWorkerMirroredStrategy.launcher).tasks(2, 0, ["train.py"])
+    tasks = launchers.create(strategies.launcher_of("multi_worker_mirrored")).tasks(2, 0, ["train.py"])
     configs = [json.loads(t.env["TF_CONFIG"]) for t in tasks]
     assert [c["task"]["index"] for c in configs] == [0, 1]
     assert len(set(configs[0]["cluster"]["worker"])) == 2
     with pytest.raises(KerasDistError, match="drop --ps"):
-        launchers.create(MultiWorkerMirroredStrategy.launcher).tasks(2, 1, ["train.py"])
+        launchers.create(strategies.launcher_of("multi_worker_mirrored")).tasks(2, 1, ["train.py"])

@@ -31,7 +31,7 @@ class LocalCluster:
     a test can kill and restart single tasks. Every process group dies at `close`."""
 
     def __init__(self, num_workers, num_ps, argv):
-        self.tasks = {t.name: t for t in launchers.create(ParameterServerStrategy.launcher).tasks(num_workers, num_ps, [str(a) for a in argv])}
+        self.tasks = {t.name: t for t in launchers.create(strategies.launcher_of("parameter_server")).tasks(num_workers, num_ps, [str(a) for a in argv])}
         self.procs = {}
         self.chief_lines = []
         for name in self.tasks:
@@ -226,14 +226,14 @@ def test_unusable_clusters_get_a_one_line_error(cluster, task, fix):
 
 
 def test_launcher_describes_chief_workers_and_servers():
-    tasks = launchers.create(ParameterServerStrategy.launcher).tasks(2, 1, ["train.py"])
+    tasks = launchers.create(strategies.launcher_of("parameter_server")).tasks(2, 1, ["train.py"])
     assert [(t.name, t.serves) for t in tasks] == [("chief:0", False), ("worker:0", True), ("worker:1", True),
                                                    ("ps:0", True)]
     config = json.loads(tasks[0].env["TF_CONFIG"])
     addresses = [a for kind in config["cluster"].values() for a in kind]
     assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
     with pytest.raises(KerasDistError, match="add --ps 1"):
-        launchers.create(ParameterServerStrategy.launcher).tasks(2, 0, ["train.py"])
+        launchers.create(strategies.launcher_of("parameter_server")).tasks(2, 0, ["train.py"])
 
 
 class ReadsBatchLogs(keras.callbacks.Callback):

@@ -2,7 +2,8 @@
 
 A launcher sets the variables a cluster environment (`keras_dist.environments`) reads
 back in every task, and nothing else: which strategy trains there is the strategy's
-business (`Strategy.launcher` names the launcher that starts its clusters).
+business (each entry of `keras_dist.strategies.REGISTRY` names the launcher that starts
+its clusters).
 
 Adding a launcher adds one module here and one line to `REGISTRY`.
 """

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from keras_dist.errors import KerasDistError
 
@@ -21,20 +21,32 @@ if TYPE_CHECKING:
     from keras_dist.launchers.nodes import Nodes
     from keras_dist.strategies.base import Strategy
 
-# name -> (the Keras backend it trains on, "module:Class"); None: any. Order is detection
-# order. Adding a strategy adds one line here. Detection skips entries for another Keras
-# backend without importing them, so Keras on JAX never imports TensorFlow.
+
+
+class Entry(NamedTuple):
+    """A registered strategy, described without importing it (nor the framework it imports)."""
+
+    keras_backend: str | None  # the Keras backend it trains on; None: any
+    path: str  # "module:Class"
+    launcher: str = ""  # the `keras_dist.launchers` entry that starts a local cluster; "": none
+
+
+# Order is detection order. Adding a strategy adds one line here. Detection skips entries
+# for another Keras backend without importing them, so Keras on JAX never imports
+# TensorFlow, and `keras-dist launch` reads launchers here, importing no strategy.
 REGISTRY = {
-    "jax": ("jax", "keras_dist.strategies.jax_data_parallel:JaxDataParallelStrategy"),
-    "torch": ("torch", "keras_dist.strategies.torch_distributed:TorchDistributedStrategy"),
-    "horovod": ("tensorflow", "keras_dist.strategies.horovod:HorovodStrategy"),
-    "parameter_server": ("tensorflow", "keras_dist.strategies.parameter_server.strategy:ParameterServerStrategy"),
-    "multi_worker_mirrored": ("tensorflow", "keras_dist.strategies.multi_worker_mirrored:MultiWorkerMirroredStrategy"),
-    "tpu": ("tensorflow", "keras_dist.strategies.tpu:TPUStrategy"),
-    "mirrored": ("tensorflow", "keras_dist.strategies.mirrored:MirroredStrategy"),
-    "central_storage": ("tensorflow", "keras_dist.strategies.central_storage:CentralStorageStrategy"),
-    "one_device": ("tensorflow", "keras_dist.strategies.one_device:OneDeviceStrategy"),
-    "single": (None, "keras_dist.strategies.single:SingleProcessStrategy"),
+    "jax": Entry("jax", "keras_dist.strategies.jax_data_parallel:JaxDataParallelStrategy", "keras_distribution"),
+    "torch": Entry("torch", "keras_dist.strategies.torch_distributed:TorchDistributedStrategy", "torchrun"),
+    "horovod": Entry("tensorflow", "keras_dist.strategies.horovod:HorovodStrategy", "horovod_gloo"),
+    "parameter_server": Entry("tensorflow", "keras_dist.strategies.parameter_server.strategy:ParameterServerStrategy",
+                              "tf_config_with_ps"),
+    "multi_worker_mirrored": Entry("tensorflow", "keras_dist.strategies.multi_worker_mirrored:MultiWorkerMirroredStrategy",
+                                   "tf_config"),
+    "tpu": Entry("tensorflow", "keras_dist.strategies.tpu:TPUStrategy"),
+    "mirrored": Entry("tensorflow", "keras_dist.strategies.mirrored:MirroredStrategy"),
+    "central_storage": Entry("tensorflow", "keras_dist.strategies.central_storage:CentralStorageStrategy"),
+    "one_device": Entry("tensorflow", "keras_dist.strategies.one_device:OneDeviceStrategy"),
+    "single": Entry(None, "keras_dist.strategies.single:SingleProcessStrategy"),
 }
 
 ENV_VAR = "KERAS_DIST_BACKEND"
@@ -64,7 +76,7 @@ def strategy_class(name: str) -> type["Strategy"]:
         raise KerasDistError(
             f"unknown keras_dist backend {name!r}; choose one of: {', '.join(REGISTRY)}"
         )
-    module, cls = REGISTRY[name][1].split(":")
+    module, cls = REGISTRY[name].path.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -74,12 +86,12 @@ def select(requested: str | None = None, environ: Mapping[str, str] | None = Non
     running = keras_backend(environ)
     if requested or environ.get(ENV_VAR):
         name = requested or environ[ENV_VAR]
-        trains_on = REGISTRY.get(name, (None,))[0]
+        trains_on = REGISTRY[name].keras_backend if name in REGISTRY else None
         if trains_on not in (None, running):
             raise KerasDistError(f"backend {name!r} trains Keras on {trains_on}, but Keras runs on {running}; "
                                  f"set KERAS_BACKEND={trains_on} or choose another backend")
         return name, "requested by keras_dist.init(backend=...)" if requested else f"set by {ENV_VAR}"
-    for name, (trains_on, _) in REGISTRY.items():
+    for name, (trains_on, _, _) in REGISTRY.items():
         if name != "single" and trains_on in (None, running) and strategy_class(name).detect(environ):
             return name, f"detected the {name} launcher's environment"
     return "single", "no launcher detected"
@@ -95,6 +107,13 @@ def create(name: str, environ: Mapping[str, str] | None = None, **options: Any) 
     return cls(cls.cluster_environment(os.environ if environ is None else environ), **options)
 
 
+def launcher_of(name: str) -> str:
+    """The `keras_dist.launchers` entry that starts a local cluster for strategy `name` ("": none)."""
+    if name not in REGISTRY:
+        strategy_class(name)  # its one-line error lists the valid names
+    return REGISTRY[name].launcher
+
+
 def local_cluster(name: str, num_workers: int, num_ps: int, argv: list[str],
                   nodes: "Nodes | None" = None) -> list["Task"]:
     """The tasks (`keras_dist.launchers.Task`) that run `argv` under strategy `name` on this machine.
@@ -106,11 +125,11 @@ def local_cluster(name: str, num_workers: int, num_ps: int, argv: list[str],
     """
     from keras_dist import launchers
 
-    cls = strategy_class(name)
-    if not cls.launcher:
+    launcher = launcher_of(name)
+    if not launcher:
         raise KerasDistError(f"backend {name!r} has no local launcher; run the script directly")
-    tasks = launchers.create(cls.launcher).tasks(num_workers, num_ps, argv, nodes)
-    trains_on = REGISTRY[name][0]
+    tasks = launchers.create(launcher).tasks(num_workers, num_ps, argv, nodes)
+    trains_on = REGISTRY[name].keras_backend
     for task in tasks:
         if trains_on:
             task.env["KERAS_BACKEND"] = trains_on

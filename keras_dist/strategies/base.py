@@ -4,7 +4,7 @@ The rest of keras_dist (compile/fit wrapping, callbacks, input sharding, the CLI
 to a strategy only through this class, so a new one is one module beside the others plus
 one line in `keras_dist.strategies.REGISTRY`. Who a process is comes from its cluster
 environment (`keras_dist.environments`); what starts a local cluster is a launcher
-(`keras_dist.launchers`), which a strategy names.
+(`keras_dist.launchers`), which the strategy's registry entry names.
 
 Three families fit behind it:
 
@@ -116,9 +116,6 @@ class Strategy(abc.ABC):
     """
 
     name: ClassVar[str] = ""
-    # The `keras_dist.launchers` entry that starts a local cluster for it ("": none, the
-    # script runs as it is).
-    launcher: ClassVar[str] = ""
     # True when Keras's step computes gradients and metric states from this process's
     # batches alone, and keras_dist's hooks must reduce them (Horovod, PyTorch); False
     # when the framework's step reduces them itself (tf.distribute, JAX).

@@ -45,7 +45,6 @@ class HorovodStrategy(Strategy):
 
     name = "horovod"
     shares_random_seed = True
-    launcher = "horovod_gloo"
     reduces_in_keras_dist = True
 
     @classmethod

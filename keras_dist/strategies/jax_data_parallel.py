@@ -201,7 +201,6 @@ class JaxDataParallelStrategy(Strategy):
     """Synchronous data parallelism on Keras's JAX backend, over every process's devices."""
 
     name = "jax"
-    launcher = "keras_distribution"
     shares_random_seed = True
 
     @classmethod

@@ -47,7 +47,6 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
 
     name = "multi_worker_mirrored"
     shares_random_seed = True
-    launcher = "tf_config"
     keras_workarounds = (keras_workarounds.build_from_local_batch,
                          functools.partial(keras_workarounds.step_functions, scalar_logs=True, skip_empty_batches=True))
 

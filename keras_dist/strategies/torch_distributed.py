@@ -45,7 +45,6 @@ class TorchDistributedStrategy(Strategy):
     """Data parallelism on Keras's PyTorch backend, one process per replica."""
 
     name = "torch"
-    launcher = "torchrun"
     reduces_in_keras_dist = True
     shares_random_seed = True
 

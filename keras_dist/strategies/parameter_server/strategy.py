@@ -67,7 +67,6 @@ class ParameterServerStrategy(Strategy):
 
     name = "parameter_server"
     runs_keras_loops = False
-    launcher = "tf_config_with_ps"
 
     @classmethod
     def detect(cls, environ: Mapping[str, str]) -> bool:
