@@ -81,7 +81,7 @@ def _registered_backends():
     tree = ast.parse((ROOT / "keras_dist" / "strategies" / "__init__.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "REGISTRY" for t in node.targets):
-            return set(ast.literal_eval(node.value))
+            return {ast.literal_eval(key) for key in node.value.keys}
     raise AssertionError("keras_dist/strategies/__init__.py defines no REGISTRY")
 
 

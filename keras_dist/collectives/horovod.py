@@ -11,15 +11,10 @@ from keras_dist.collectives import Collectives
 from keras_dist.collectives.torch_distributed import TorchTensors
 
 
-class HorovodTensorFlow(Collectives):
-    """Horovod's TensorFlow operations. Eager operations are matched across processes by
-    name, so every call gets the next name of one sequence, the same on every process."""
+class _Horovod:
+    """Ranks as Horovod numbers them (`self._hvd`: its TensorFlow or torch front)."""
 
-    name = "horovod"
-
-    def __init__(self, hvd: Any):
-        self._hvd = hvd
-        self._names = itertools.count()
+    _hvd: Any
 
     @property
     def rank(self) -> int:
@@ -28,6 +23,17 @@ class HorovodTensorFlow(Collectives):
     @property
     def size(self) -> int:
         return self._hvd.size()
+
+
+class HorovodTensorFlow(_Horovod, Collectives):
+    """Horovod's TensorFlow operations. Eager operations are matched across processes by
+    name, so every call gets the next name of one sequence, the same on every process."""
+
+    name = "horovod"
+
+    def __init__(self, hvd: Any):
+        self._hvd = hvd
+        self._names = itertools.count()
 
     def _name(self, kind: str) -> str:
         return f"keras_dist.{kind}.{next(self._names)}"
@@ -58,7 +64,7 @@ class HorovodTensorFlow(Collectives):
         self._hvd.allreduce(tf.zeros([1]), name=self._name("barrier"))
 
 
-class HorovodTorch(TorchTensors):
+class HorovodTorch(_Horovod, TorchTensors):
     """Horovod's torch operations: Gloo, MPI or NCCL, as Horovod was built."""
 
     name = "horovod"
@@ -67,14 +73,6 @@ class HorovodTorch(TorchTensors):
         self._hvd = hvd
         hvd.init()
         self.device = torch.device("cuda" if torch.cuda.is_available() and hvd.nccl_built() else "cpu")
-
-    @property
-    def rank(self) -> int:
-        return self._hvd.rank()
-
-    @property
-    def size(self) -> int:
-        return self._hvd.size()
 
     def start_sum(self, tensor: Any, name: str) -> Any:
         # A name stable across steps lets Horovod's response cache skip the coordinator's

@@ -81,9 +81,13 @@ def strategy_class(name: str) -> type["Strategy"]:
 
 
 def select(requested: str | None = None, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """Returns `(name, reason)` for the backend this process should use."""
+    """Returns `(name, reason)` for the backend this process should use.
+
+    `environ` (default: `os.environ`) holds what the launcher set; the Keras backend is
+    this process's own, as Keras reads it.
+    """
     environ = os.environ if environ is None else environ
-    running = keras_backend(environ)
+    running = keras_backend(os.environ)
     if requested or environ.get(ENV_VAR):
         name = requested or environ[ENV_VAR]
         trains_on = REGISTRY[name].keras_backend if name in REGISTRY else None

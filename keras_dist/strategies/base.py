@@ -153,12 +153,12 @@ class Strategy(abc.ABC):
     # --- topology -------------------------------------------------------------
     @property
     def rank(self) -> int:
-        """This process's index among `size` processes (default: a single process)."""
-        return 0
+        """This process's index among `size` processes, as its collectives number them."""
+        return self.collectives.rank
 
     @property
     def size(self) -> int:
-        return 1
+        return self.collectives.size
 
     @property
     def local_rank(self) -> int:

@@ -86,14 +86,6 @@ class HorovodStrategy(Strategy):
             ) from None
 
     @property
-    def rank(self) -> int:
-        return self._hvd.rank()
-
-    @property
-    def size(self) -> int:
-        return self._hvd.size()
-
-    @property
     def local_rank(self) -> int:
         return self._hvd.local_rank()
 

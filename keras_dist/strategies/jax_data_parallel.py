@@ -226,14 +226,6 @@ class JaxDataParallelStrategy(Strategy):
         self._local_depth = 0
 
     @property
-    def rank(self) -> int:
-        return self._jax.process_index()
-
-    @property
-    def size(self) -> int:
-        return self._jax.process_count()
-
-    @property
     def num_replicas(self) -> int:
         return self._jax.device_count()
 

@@ -105,14 +105,6 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
                                  "froze, lost its network or ended") from None
 
     @property
-    def rank(self) -> int:
-        return self.environment.rank
-
-    @property
-    def size(self) -> int:
-        return self.environment.size
-
-    @property
     def input_plan(self) -> InputPlan:
         # Every step is a collective: uneven evaluation shards must still end together.
         return dataclasses.replace(super().input_plan, collective_steps=True)

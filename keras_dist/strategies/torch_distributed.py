@@ -78,14 +78,6 @@ class TorchDistributedStrategy(Strategy):
         # their collectives' names (Horovod matches and caches operations by name).
         self._optimizer_numbers = itertools.count()
 
-    @property
-    def rank(self) -> int:
-        return self.collectives.rank
-
-    @property
-    def size(self) -> int:
-        return self.collectives.size
-
     # --- gradients --------------------------------------------------------------
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
         for overlapped in self._overlapped.values():
