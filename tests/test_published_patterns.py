@@ -2,8 +2,7 @@
 
 tests/workers/published_patterns.py holds the patterns (our own scripts, written after
 reading Keras's guides and examples). One run per configuration, each a real launch:
-one plain process at the global batch (the reference), keras_dist in one process,
-`horovodrun` with 2 ranks, MultiWorkerMirrored with 2 workers and parameter servers
+one plain process at the global batch (the reference), `horovodrun` with 2 ranks, MultiWorkerMirrored with 2 workers and parameter servers
 (chief, 2 workers, 1 ps). Deterministic patterns must end where the reference does;
 the others must at least agree across workers.
 """
@@ -26,7 +25,8 @@ EXACT = ["compile_twice", "custom_compile_two_optimizers", "custom_train_step", 
 # Random augmentation, per-replica batch statistics, float16 rounding: workers agree only.
 AGREE = ["batchnorm_augmentation", "mixed_precision", "gan_without_call"]
 PATTERNS = EXACT + AGREE
-SYNCHRONOUS = ["keras_dist_1", "horovod_2", "mwms_2"]
+# keras_dist in one process is test_api's case (it changes nothing without a launcher).
+SYNCHRONOUS = ["horovod_2", "mwms_2"]
 
 
 def launch(backend, argv, timeout):
@@ -38,10 +38,10 @@ def launch(backend, argv, timeout):
 def results(tmp_path_factory):
     """{configuration: {pattern: [result per rank]}}, every configuration run once."""
     out = {}
-    for name, ranks in (("plain_1", 1), ("keras_dist_1", 1), ("horovod_2", 2), ("mwms_2", 2), ("ps_2", 1)):
+    for name, ranks in (("plain_1", 1), ("horovod_2", 2), ("mwms_2", 2), ("ps_2", 1)):
         directory = tmp_path_factory.mktemp(name)
         argv = [SCRIPT, directory, "plain" if name == "plain_1" else "keras_dist", *PATTERNS]
-        if name in ("plain_1", "keras_dist_1"):
+        if name == "plain_1":
             code, output = run([PYTHON, *argv], 300, env={"KERAS_DIST_BACKEND": ""})
         elif name == "horovod_2":
             code, output = horovodrun(2, argv, 400)

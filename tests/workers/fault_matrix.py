@@ -30,11 +30,11 @@ ctx = keras_dist.init()
 hit = ctx.rank == fault_rank
 
 rng = np.random.default_rng(0)
-x = rng.normal(size=(48, 3000)).astype("float32")
+x = rng.normal(size=(48, 2000)).astype("float32")
 y = x[:, :1] - x[:, 1:2]
 keras.utils.set_random_seed(1)
-# 36 MB of weights (108 MB backed up with Adam's moments): a save takes long enough to be caught.
-model = keras.Sequential([keras.Input((3000,)), keras.layers.Dense(3000), keras.layers.Dense(1)])
+# 16 MB of weights (48 MB backed up with Adam's moments): a save takes long enough to be caught.
+model = keras.Sequential([keras.Input((2000,)), keras.layers.Dense(2000), keras.layers.Dense(1)])
 keras_dist.compile(model, optimizer=keras.optimizers.Adam(1e-4), loss="mse")
 
 
