@@ -135,24 +135,35 @@ class MPIEnvironment(ClusterEnvironment):
                    local_rank=_first(environ, cls.LOCAL_RANK, 0), local_size=_first(environ, cls.LOCAL_SIZE, 1),
                    coordinator=_rendezvous(environ), store=store, hostname=environ.get("HOROVOD_HOSTNAME"))
 
+    def put(self, key: str, value: str, timeout: float = 30) -> None:
+        """Stores `value` under `key` (no "/": the store's paths are scope/key) in Horovod's rendezvous store."""
+        request = urllib.request.Request(f"http://{self.store}/keras_dist/{key}", data=value.encode(), method="PUT")
+        urllib.request.urlopen(request, timeout=timeout)
+
+    def get(self, key: str, timeout: float = 30) -> str | None:
+        """The value under `key` in Horovod's rendezvous store; None while there is none."""
+        try:
+            return urllib.request.urlopen(f"http://{self.store}/keras_dist/{key}", timeout=timeout).read().decode()
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise
+            return None
+
     def rendezvous(self) -> str | None:
         if self.coordinator or not self.store or self.size == 1:
             return self.coordinator
-        url = f"http://{self.store}/keras_dist/coordinator"
         if self.is_chief:
             host = self.hostname or socket.gethostname()
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1" if host in ("localhost", "127.0.0.1") else "", 0))
                 address = f"{host}:{probe.getsockname()[1]}"
-            urllib.request.urlopen(urllib.request.Request(url, data=address.encode(), method="PUT"), timeout=30)
+            self.put("coordinator", address)
             return address
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
         while time.monotonic() < deadline:
-            try:
-                return urllib.request.urlopen(url, timeout=30).read().decode()
-            except urllib.error.HTTPError as exc:  # 404 until the chief has published it
-                if exc.code != 404:
-                    raise
+            address = self.get("coordinator")  # none until the chief has published it
+            if address is not None:
+                return address
             time.sleep(0.1)
         raise KerasDistError(f"rank 0 published no rendezvous address in Horovod's store ({self.store}) within "
                              f"{RENDEZVOUS_TIMEOUT_S} s; check that rank 0 started, or set MASTER_ADDR and MASTER_PORT")

@@ -127,6 +127,9 @@ def test_every_fault_ends_the_job_in_bounded_time_and_a_rerun_loses_no_completed
             # Others may begin the next epoch while the chief saves, then wait for it.
             assert epochs_begun(directory, r)[:2] == [run, run + 1], f"{case}: rank {r} did not resume at epoch {run}"
         assert seconds < ENDS_WITHIN[fault], f"{case}: the job took {seconds:.1f}s to end;\n{out[-4000:]}"
+        if fault == "freeze":  # a survivor names the frozen process in one line
+            stopped = [line for line in out.splitlines() if "KerasDistError: " in line and "stopped answering" in line]
+            assert stopped and f"rank {rank} on " in stopped[0], f"{case}:\n{out[-4000:]}"
         assert_checkpoints_whole(directory)
         rows.append((case, seconds, run + 1))
 

@@ -150,6 +150,30 @@ def test_horovodrun_over_ssh_across_hosts_named_on_loopback_matches_one_process_
         assert_same_training(result, expected)
 
 
+def test_a_frozen_host_under_horovodrun_ends_the_job_naming_it(ssh_hosts):
+    """`horovodrun -H` over ssh, every process of the second host stopped mid-training:
+    the first host's rank ends within horovodrun's Gloo timeout (10 s here) plus a few
+    seconds, with a one-line error naming rank 1 and its host, not Horovod's own shutdown."""
+    bed = ssh_hosts
+    script = f"mkdir -p {OUT} && exec {PYTHON} {WORKER} {OUT} --samples 4096 --epochs 100 --callbacks"
+    command = [BIN / "horovodrun", "-np", 2, "-H", "node0:1,node1:1", "--gloo", "--gloo-timeout-seconds", 10,
+               "sh", "-c", script]
+    (launcher,) = start_on_hosts(bed, [command], [{"KERAS_BACKEND": "tensorflow"}])
+    backup, deadline = bed.hosts[0].tmp / "out" / "backup", time.monotonic() + 240
+    while not backup.exists():
+        assert time.monotonic() < deadline and launcher.poll() is None, bed.output(launcher)[-4000:]
+        time.sleep(0.05)
+    bed.signal(bed.hosts[1], signal.SIGSTOP)
+    frozen = time.monotonic()
+    ended, _ = wait_for_the_end(bed, [launcher], timeout=120)
+    out = bed.output(launcher)
+    print(f"horovod: the job ended {ended[0] - frozen:.1f} s after the second host's freeze")
+    assert launcher.returncode != 0 and ended[0] - frozen < 10 + 15, out[-3000:]
+    errors = [line.split("KerasDistError: ", 1)[1] for line in out.splitlines() if "KerasDistError: " in line]
+    assert errors and errors[0].startswith("rank 1 on node1 stopped answering within 10 s"), out[-3000:]
+    bed.kill(bed.hosts[1])
+
+
 def test_an_sbatch_script_with_srun_across_hosts_matches_one_process_at_twice_the_batch(slurm_hosts, tmp_path):
     """A batch script of one `srun` line, as SLURM users write it, submitted with
     `sbatch --wait` on the first host; keras_dist finds the job in SLURM's variables."""

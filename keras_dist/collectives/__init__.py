@@ -18,6 +18,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+# After a collective failed, how long each process waits for the others to say they saw
+# it fail too: those that do not are the ones that stopped (their machine frozen or gone).
+PEERS_SECONDS = 3.0
+
 
 class Collectives:
     """Sum, mean, broadcast, all-gather (of arrays and of objects) and barrier over a job's processes.

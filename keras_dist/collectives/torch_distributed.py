@@ -12,13 +12,9 @@ from typing import Any
 import numpy as np
 
 from keras_dist import network, timeouts
-from keras_dist.collectives import Collectives, flatten, unflatten
+from keras_dist.collectives import PEERS_SECONDS, Collectives, flatten, unflatten
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
-
-# After a collective failed, how long each process waits for the others to say they saw
-# it fail too: those that do not are the ones that stopped (their machine frozen or gone).
-PEERS_SECONDS = 3.0
 
 
 class TorchTensors(Collectives):

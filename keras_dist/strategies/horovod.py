@@ -5,10 +5,14 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 """
 
 
-from collections.abc import Mapping, MutableMapping, Sequence
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_dist.collectives.horovod import HorovodTensorFlow
+from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 from keras_dist.environments import MPIEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError
@@ -69,6 +73,40 @@ class HorovodStrategy(Strategy):
         self._hvd.init()
         self.collectives = HorovodTensorFlow(self._hvd)
         self._pin_gpu()
+        if self._names_stopped_peers:
+            self.environment.put(f"host.{self.rank}", self.environment.hostname or socket.gethostname())
+
+    @property
+    def _names_stopped_peers(self) -> bool:
+        """Whether a failed collective can be told apart by peer: under horovodrun's Gloo, in its store."""
+        return self.size > 1 and isinstance(self.environment, MPIEnvironment) and self.environment.store is not None
+
+    def run_loop(self, method: str, model: "keras.Model", keras_method: Callable[..., Any], arguments: dict) -> Any:
+        import tensorflow as tf
+
+        try:
+            return super().run_loop(method, model, keras_method, arguments)
+        except tf.errors.OpError as exc:
+            # Horovod reports a peer that stopped answering (its Gloo timeout) or ended as
+            # its own shutdown, on every process alike.
+            if "Horovod has been shut down" not in str(exc) or not self._names_stopped_peers:
+                raise
+            raise KerasDistError(self._who_stopped()) from None
+
+    def _who_stopped(self) -> str:
+        """One line naming the ranks that stopped: each process that sees its collective
+        fail notes so in horovodrun's store; those that have not after `PEERS_SECONDS` stopped."""
+        environment = self.environment
+        try:
+            environment.put(f"failed.{self.rank}", "1", timeout=PEERS_SECONDS)
+            time.sleep(PEERS_SECONDS)
+            silent = [r for r in range(self.size) if environment.get(f"failed.{r}", timeout=PEERS_SECONDS) is None]
+            stopped = ", ".join(f"rank {r} on {environment.get(f'host.{r}', timeout=PEERS_SECONDS)}" for r in silent)
+        except OSError:  # the store is horovodrun's, on the launching machine
+            stopped = f"horovodrun's machine ({environment.store})"
+        timeout = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30")
+        return (f"{stopped or 'a peer'} stopped answering within {timeout} s (horovodrun --gloo-timeout-seconds): "
+                "its machine froze, lost its network or ended")
 
     def _pin_gpu(self):
         import tensorflow as tf
