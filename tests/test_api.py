@@ -9,7 +9,7 @@ from keras_dist import strategies
 from keras_dist.inputs import arrays
 from keras_dist.errors import KerasDistError
 
-from conftest import BIN, PYTHON, ROOT, run
+from runner import BIN, PYTHON, ROOT, run
 
 
 def small_model():

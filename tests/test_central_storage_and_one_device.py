@@ -1,13 +1,11 @@
 """CentralStorageStrategy (2 logical CPU devices) and OneDeviceStrategy backends, in subprocesses."""
 
 import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
-import runner  # noqa: E402
+import runner
 
 from keras_dist import strategies  # noqa: E402
 
@@ -54,7 +52,7 @@ def test_one_device_equals_the_single_backend(tmp_path):
 def test_one_device_takes_a_device_and_names_the_fix_for_a_missing_one():
     script = ("import keras_dist, sys\n"
               "print('chosen', keras_dist.init(backend='one_device', device=sys.argv[1]).strategy.extended.worker_devices)")
-    (ok, first), (missing, output) = runner.run([["-c", script, "/cpu:0"], ["-c", script, "/gpu:1"]], [{}, {}])
+    (ok, first), (missing, output) = runner.run_python([["-c", script, "/cpu:0"], ["-c", script, "/gpu:1"]], [{}, {}])
     assert ok == 0 and "chosen ('/job:localhost/replica:0/task:0/device:CPU:0',)" in first, first[-2000:]
     assert missing != 0
     error = [line for line in output.splitlines() if line.startswith("keras_dist.errors.KerasDistError")]
@@ -70,7 +68,7 @@ def test_one_device_takes_a_device_and_names_the_fix_for_a_missing_one():
 ])
 def test_upstream_keras_bugs_under_central_storage_still_fail(case, message):
     """Fails once Keras fixes the bug: then drop the workaround named beside the case."""
-    ((code, out),) = runner.run([[PLAIN, case]], [{}])
+    ((code, out),) = runner.run_python([[PLAIN, case]], [{}])
     assert code == 0 and "ERROR:" in out and message in out, out[-2000:]
 
 

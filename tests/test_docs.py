@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, run
+from runner import BIN, run
 from keras_dist import cli
 
 ROOT = Path(__file__).resolve().parent.parent

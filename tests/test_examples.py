@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import BIN, PYTHON, ROOT, run
+from runner import BIN, PYTHON, ROOT, run
 
 EXAMPLES = ROOT / "examples"
 

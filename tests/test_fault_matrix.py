@@ -14,7 +14,6 @@ Run with `-s` to see the matrix: case, backend, seconds to end, resumed epoch.
 import json
 import os
 import subprocess
-import sys
 import time
 import zipfile
 
@@ -22,11 +21,10 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import BIN, PYTHON, QUIET_ENV, WORKERS
+from runner import BIN, PYTHON, QUIET_ENV, WORKERS
 from keras_dist.launchers.processes import kill_process_groups
 
-sys.path.insert(0, str(WORKERS))
-import runner  # noqa: E402
+import runner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 WORKER = WORKERS / "fault_matrix.py"

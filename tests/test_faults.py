@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import BIN, QUIET_ENV, WORKERS, run
+from runner import BIN, QUIET_ENV, WORKERS, run
 from keras_dist.launchers.processes import free_ports, kill_process_groups
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,13 +1,11 @@
 """Chief-only files and refusing mismatched models (resume after faults: test_fault_matrix.py)."""
 
-import sys
 
 import pytest
 
-from conftest import WORKERS, horovodrun
+from runner import WORKERS, horovodrun
 
-sys.path.insert(0, str(WORKERS))
-import runner  # noqa: E402
+import runner
 
 
 def test_only_the_chief_writes_checkpoints_tensorboard_and_csv(tmp_path):
@@ -25,7 +23,7 @@ def test_ranks_with_different_models_fail_fast_with_one_line_error(tmp_path, bac
     if backend == "horovod":
         outputs = [horovodrun(2, [WORKERS / "mismatched_models.py"], timeout=180)]
     else:
-        outputs = runner.run([[WORKERS / "mismatched_models.py"]] * 2, runner.tf_config_envs(2), timeout=180)
+        outputs = runner.run_python([[WORKERS / "mismatched_models.py"]] * 2, runner.tf_config_envs(2), timeout=180)
     for code, out in outputs:
         assert code != 0
         assert "KerasDistError: the model on rank 1 differs from rank 0's" in out

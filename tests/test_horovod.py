@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import PYTHON, WORKERS, horovodrun, load_results, run
+from runner import PYTHON, WORKERS, horovodrun, load_results, run
 
 SCENARIOS = [
     "sgd_arrays", "sgd_dataset", "dataset_map_shuffled", "sgd_plain", "sum_reduction", "fp16_compression", "adam_schedule",

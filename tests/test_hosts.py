@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import BIN, PYTHON, QUIET_ENV, WORKERS, run
+from runner import BIN, PYTHON, QUIET_ENV, WORKERS, run
 from hostbed import HostBed, HostBedError
 from test_keras_backends import assert_same_training
 

@@ -7,16 +7,14 @@ cover the input once (plus fewer than N padding elements when the length is odd)
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import WORKERS, horovodrun
+from runner import WORKERS, horovodrun
 
-sys.path.insert(0, str(WORKERS))
-import runner  # noqa: E402
+import runner
 
 from keras_dist.inputs import py_dataset, tf_data  # noqa: E402
 from keras_dist.errors import KerasDistError  # noqa: E402
@@ -44,7 +42,7 @@ def workers(request, tmp_path_factory):
         code, output = horovodrun(2, argv, timeout=300)
         assert code == 0, output[-4000:]
     else:
-        runner.run_ok([argv, argv], runner.tf_config_envs(2), timeout=300)
+        runner.run_python_ok([argv, argv], runner.tf_config_envs(2), timeout=300)
     results = []
     for rank in range(2):
         with open(out / f"input.{rank}.json") as f:

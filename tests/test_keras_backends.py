@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BIN, PYTHON, WORKERS, horovodrun, run
+from runner import BIN, PYTHON, WORKERS, horovodrun, run
 
 pytestmark = pytest.mark.timeout(600)
 WORKER = WORKERS / "any_backend_worker.py"

@@ -1,12 +1,10 @@
 """MirroredStrategy backend: 2 logical CPU devices in a subprocess (no GPU needed)."""
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
-import runner  # noqa: E402
+import runner
 
 from keras_dist import strategies  # noqa: E402
 
@@ -49,7 +47,7 @@ def test_steps_per_execution_2_gives_the_same_weights(tmp_path, single_at_16):
 
 def test_upstream_keras_19246_still_fails():
     """Fails once Keras fixes keras-team/keras#19246: then drop the loop workaround."""
-    ((code, out),) = runner.run([[os.path.join(os.path.dirname(runner.WORKER), "plain_keras.py"), "mirrored-spe"]], [{}])
+    ((code, out),) = runner.run_python([[os.path.join(os.path.dirname(runner.WORKER), "plain_keras.py"), "mirrored-spe"]], [{}])
     assert code == 0, out[-2000:]
     assert "You must feed a value for placeholder tensor" in out, out[-2000:]
 
@@ -57,7 +55,7 @@ def test_upstream_keras_19246_still_fails():
 def test_upstream_keras_model_without_call_still_fails_under_a_strategy():
     """Fails once Keras stops building a model without call() from a batch under a strategy
     (keras-team/keras#19969, #20045): then drop that case from `build_from_local_batch`."""
-    ((code, out),) = runner.run([[os.path.join(os.path.dirname(runner.WORKER), "plain_keras.py"), "mirrored-no-call"]],
+    ((code, out),) = runner.run_python([[os.path.join(os.path.dirname(runner.WORKER), "plain_keras.py"), "mirrored-no-call"]],
                                 [{}])
     assert code == 0, out[-2000:]
     assert "ERROR:" in out and "does not have a `call()` method" in out, out[-2000:]

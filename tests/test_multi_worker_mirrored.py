@@ -2,12 +2,10 @@
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
-import runner  # noqa: E402
+import runner
 
 from keras_dist import strategies  # noqa: E402
 from keras_dist import launchers
@@ -37,7 +35,7 @@ def test_upstream_keras_20585_still_fails():
     envs = runner.tf_config_envs(2)
     for case, message in (("mwms-build", "Attempt to convert a value (PerReplica"),
                           ("mwms-reduce", "Invalid reduction dimension 0 for input with 0 dimensions")):
-        outputs = runner.run([[PLAIN, case]] * 2, envs if case == "mwms-build" else runner.tf_config_envs(2))
+        outputs = runner.run_python([[PLAIN, case]] * 2, envs if case == "mwms-build" else runner.tf_config_envs(2))
         for code, out in outputs:
             assert code == 0 and message in out, out[-2000:]
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, run
+from runner import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, run
 from keras_dist import strategies
 from keras_dist import launchers
 from keras_dist.strategies.parameter_server.loop import CoordinatedSteps, refuse_batch_log_readers

@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import BIN, PYTHON, WORKERS, horovodrun, run
+from runner import BIN, PYTHON, WORKERS, horovodrun, run
 
 pytestmark = pytest.mark.timeout(900)
 SCRIPT = WORKERS / "published_patterns.py"

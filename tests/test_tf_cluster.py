@@ -5,15 +5,12 @@ Real worker processes; what listens where is read from the kernel (/proc/net/tcp
 
 import concurrent.futures
 import json
-import os
 import socket
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
-import runner  # noqa: E402
+import runner
 
 from keras_dist.launchers.processes import free_ports  # noqa: E402
 from keras_dist.tf_cluster import BIND_ALL_ENV, tcp_listeners  # noqa: E402
@@ -32,7 +29,7 @@ def train_watching_listeners(out_dir, envs):
     argv = [runner.WORKER, str(out_dir)]
     seen = {}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        workers = pool.submit(runner.run, [argv, argv], envs)
+        workers = pool.submit(runner.run_python, [argv, argv], envs)
         while not workers.done():
             for address, port, _ in tcp_listeners():
                 if port in ports:
@@ -68,7 +65,7 @@ def test_a_taken_port_stops_the_worker_with_one_line(occupant_host):
         workers = [f"127.0.0.1:{port}", f"127.0.0.1:{free_ports(1)[0]}"]
         env = {"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": 0}})}
         # A short limit: the error must come at import, not after waiting for the peer.
-        code, out = runner.run([["-c", "import keras_dist"]], [env], timeout=90)[0]
+        code, out = runner.run_python([["-c", "import keras_dist"]], [env], timeout=90)[0]
     assert code != 0
     assert out.rstrip().splitlines()[-1] == (
         f"keras_dist.errors.KerasDistError: TF_CONFIG gives worker:0 the address 127.0.0.1:{port}, "

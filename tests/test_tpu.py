@@ -1,12 +1,9 @@
 """TPU backend: which TPU it picks, and the error when there is none (no TPU here)."""
 
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
-import runner  # noqa: E402
+import runner
 
 from keras_dist import strategies  # noqa: E402
 from keras_dist.strategies.tpu import tpu_address  # noqa: E402
@@ -30,6 +27,6 @@ def test_detection():
 @pytest.mark.timeout(300)
 def test_requested_without_a_tpu_is_a_one_line_error():
     script = "import keras_dist\ntry:\n    keras_dist.init(backend='tpu')\nexcept keras_dist.KerasDistError as e:\n    print('ERROR:', e)\n"
-    ((code, out),) = runner.run([["-c", script]], [{"TPU_NAME": "no-such-tpu-anywhere"}], timeout=240)
+    ((code, out),) = runner.run_python([["-c", script]], [{"TPU_NAME": "no-such-tpu-anywhere"}], timeout=240)
     line = next(line for line in out.splitlines() if line.startswith("ERROR:"))
     assert "could not reach TPU 'no-such-tpu-anywhere'" in line or "found no TPU" in line

@@ -1,0 +1,138 @@
+"""The test helpers: run real processes with a hard timeout (killing their whole group), run
+the training worker on a backend, and compare what trainings ended with."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from keras_dist.launchers.processes import free_ports, kill_process_groups
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "workers"
+PYTHON = sys.executable
+BIN = Path(PYTHON).parent
+
+# Workers log nothing from TensorFlow's C++ side; keep failures readable.
+QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "KERAS_DIST_BACKEND": ""}
+
+
+def run_many(commands, timeout, envs=None, cwd=None):
+    """Runs the commands together, each in its own process group; returns `(code, output)`s.
+
+    On timeout (for all of them together) every group is killed and the test fails;
+    groups are killed at the end in any case, for children that outlived their parent
+    (horovodrun's workers, TensorFlow's helpers).
+    """
+    base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    procs = [
+        subprocess.Popen(
+            [str(a) for a in argv], env={**base, **QUIET_ENV, **env}, cwd=cwd,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        for argv, env in zip(commands, envs or [{}] * len(commands))
+    ]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for argv, proc in zip(commands, procs):
+            try:
+                out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_process_groups(procs)
+                out, _ = proc.communicate()
+                pytest.fail(f"{[str(a) for a in argv[:6]]} did not finish in {timeout}s (killed); output tail:\n{out[-4000:]}")
+            results.append((proc.returncode, out))
+    finally:
+        kill_process_groups(procs)
+    return results
+
+
+def run(argv, timeout, env=None, cwd=None):
+    """Runs one command with `run_many`'s guarantees; returns `(code, output)`."""
+    return run_many([argv], timeout, [env or {}], cwd)[0]
+
+
+def horovodrun(num_ranks, argv, timeout, env=None):
+    command = [BIN / "horovodrun", "-np", num_ranks, "-H", f"localhost:{num_ranks}", "--gloo", PYTHON, *argv]
+    return run(command, timeout, env)
+
+
+def load_results(directory, name, ranks):
+    results = []
+    for rank in range(ranks):
+        with open(Path(directory) / f"{name}.{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+WORKER = os.path.join(WORKERS, "train_worker.py")
+
+
+def run_python(argv_list, envs, timeout=240):
+    """Runs one Python process per (argv, env), together; returns their `(code, output)`s.
+
+    Example:
+
+    ```python
+    outputs = run_python([[WORKER, out]], [{"KERAS_DIST_BACKEND": "single"}])
+    ```
+    """
+    return run_many([[sys.executable, *argv] for argv in argv_list], timeout, envs)
+
+
+def run_python_ok(argv_list, envs, timeout=240):
+    outputs = run_python(argv_list, envs, timeout)
+    for code, out in outputs:
+        assert code == 0, out[-3000:]
+    return outputs
+
+
+def tf_config_envs(count):
+    workers = [f"127.0.0.1:{p}" for p in free_ports(count)]
+    return [{"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})}
+            for i in range(count)]
+
+
+def train(out_dir, backend, *args, timeout=240):
+    """Runs train_worker.py on `backend` ("single", "mirrored" or "mwms") and loads results."""
+    out_dir = str(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    argv = [WORKER, out_dir, *map(str, args)]
+    if backend == "mwms":
+        envs = tf_config_envs(2)
+        run_python_ok([argv, argv], envs, timeout)
+        return [load(out_dir, rank) for rank in range(2)]
+    run_python_ok([argv], [{"KERAS_DIST_BACKEND": backend}], timeout)
+    return [load(out_dir, 0)]
+
+
+def assert_trains_like(result, reference, tolerance=1e-5):
+    """`result` ended where `reference` did: weights, every logged metric, evaluate, predict.
+
+    Example:
+
+    ```python
+    assert_trains_like(runner.train(tmp, "mirrored", "--cpus", 2, "--batch", 8)[0], single_at_16)
+    ```
+    """
+    import numpy as np
+    import pytest
+
+    for key in ("weights", "predict"):
+        for got, want in zip(result[key], reference[key]):
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=tolerance)
+    assert result["history"].keys() == reference["history"].keys()
+    for key, values in reference["history"].items():
+        assert result["history"][key] == pytest.approx(values, rel=tolerance), key
+    assert result["evaluate"] == pytest.approx(reference["evaluate"], rel=tolerance)
+
+
+def load(out_dir, rank):
+    with open(os.path.join(out_dir, f"result-{rank}.json")) as f:
+        return json.load(f)
