@@ -13,12 +13,16 @@ from keras_dist import startup as _startup
 from keras_dist.errors import KerasDistError
 
 _startup.start()  # what importing keras_dist does to this process: see keras_dist.startup
+if not _startup.is_the_cli():
+    # Registers keras_dist's serializable classes (ScaledSchedule) with Keras, so that a
+    # script can load a saved model before it compiles one.
+    from keras_dist.compile import compile  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["KerasDistError", "callbacks", "compile", "current", "distribute_dataset", "init"]
 
-# The public names, imported on first use: they import Keras, which tools (`keras-dist
-# launch`, `keras-dist info`) never need.
+# The public names, imported on first use (by scripts, `compile` at once): they import
+# Keras, which tools (`keras-dist launch`, `keras-dist info`) never need.
 _LAZY = {"callbacks": ("keras_dist.callbacks", None), "compile": ("keras_dist.compile", "compile"),
          "current": ("keras_dist.runtime", "current"), "init": ("keras_dist.runtime", "init"),
          "distribute_dataset": ("keras_dist.inputs", "distribute_dataset")}

@@ -32,6 +32,28 @@ def test_without_a_launcher_the_script_runs_as_one_plain_process(capsys):
     assert capsys.readouterr().out == ""  # quiet
 
 
+SAVE_SCALED = """
+import sys, keras, keras_dist
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=10, decay_rate=0.9)
+keras_dist.compile(model, optimizer=keras.optimizers.Adam(schedule), loss="mse", scale_learning_rate=True)
+model.save(sys.argv[1])
+"""
+LOAD_FIRST = """
+import sys, keras, keras_dist
+model = keras.models.load_model(sys.argv[1])  # before anything calls keras_dist.compile
+print(type(model.optimizer.learning_rate).__name__, type(model.optimizer._learning_rate).__name__)
+"""
+
+
+def test_a_script_loads_a_model_with_a_scaled_schedule_before_it_compiles(tmp_path):
+    path = tmp_path / "scaled.keras"
+    code, out = run([PYTHON, "-c", SAVE_SCALED, path], timeout=120)
+    assert code == 0, out[-3000:]
+    code, out = run([PYTHON, "-c", LOAD_FIRST, path], timeout=120)
+    assert code == 0 and out.strip().splitlines()[-1].endswith("ScaledSchedule"), out[-3000:]
+
+
 def test_init_reports_topology():
     ctx = keras_dist.init()
     assert (ctx.name, ctx.rank, ctx.size, ctx.local_rank, ctx.is_chief) == ("single", 0, 1, 0, True)

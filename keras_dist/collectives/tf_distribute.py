@@ -38,12 +38,24 @@ class TFDistribute(Collectives):
         return self._strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
 
     def _stack(self, array: np.ndarray) -> np.ndarray:
-        # Each process fills its own row; small integer types travel as int64, which the
-        # collective ops reduce.
+        if array.dtype == np.uint8 and array.size % 8 == 0:  # pickled objects: 8 bytes a word
+            words = self._stack(array.reshape(-1).view(np.int64))
+            return words.view(np.uint8).reshape((self._size,) + array.shape)
+        # Each process fills its own row (the others' are zeros, so the sum is exact); other
+        # types travel as int64 or float64, which the collective ops reduce.
         wire = np.float64 if np.issubdtype(array.dtype, np.floating) else np.int64
         rows = np.zeros((self._size,) + array.shape, wire)
         rows[self._rank] = array
         return self._sum(rows).astype(array.dtype)
+
+    def _allgather_array(self, array: np.ndarray) -> np.ndarray:
+        # In the array's own dtype (bool as uint8), not pickled: predictions can be large.
+        wire = array.astype(np.uint8) if array.dtype == bool else array
+        lengths = self._stack(np.array([len(array)], np.int64))[:, 0]
+        rows = np.zeros((self._size, int(lengths.max())) + array.shape[1:], wire.dtype)
+        rows[self._rank, :len(array)] = wire
+        summed = self._sum(rows)
+        return np.concatenate([summed[rank, :length] for rank, length in enumerate(lengths)]).astype(array.dtype)
 
     def _sum_arrays(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         return unflatten(self._sum(flatten(arrays)), arrays)

@@ -5,6 +5,7 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 """
 
 
+import logging
 import os
 import socket
 import time
@@ -19,6 +20,8 @@ from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
     import keras
+
+logger = logging.getLogger("keras_dist")
 
 
 def _import_horovod():
@@ -74,7 +77,10 @@ class HorovodStrategy(Strategy):
         self.collectives = HorovodTensorFlow(self._hvd)
         self._pin_gpu()
         if self._names_stopped_peers:
-            self.environment.put(f"host.{self.rank}", self.environment.hostname or socket.gethostname())
+            try:
+                self.environment.put(f"host.{self.rank}", self.environment.hostname or socket.gethostname())
+            except OSError:  # the report of a stopped peer then names no host
+                logger.debug("horovodrun's store took no host name", exc_info=True)
 
     @property
     def _names_stopped_peers(self) -> bool:
@@ -101,7 +107,8 @@ class HorovodStrategy(Strategy):
             environment.put(f"failed.{self.rank}", "1", timeout=PEERS_SECONDS)
             time.sleep(PEERS_SECONDS)
             silent = [r for r in range(self.size) if environment.get(f"failed.{r}", timeout=PEERS_SECONDS) is None]
-            stopped = ", ".join(f"rank {r} on {environment.get(f'host.{r}', timeout=PEERS_SECONDS)}" for r in silent)
+            hosts = [environment.get(f"host.{r}", timeout=PEERS_SECONDS) or "an unknown host" for r in silent]
+            stopped = ", ".join(f"rank {r} on {host}" for r, host in zip(silent, hosts))
         except OSError:  # the store is horovodrun's, on the launching machine
             stopped = f"horovodrun's machine ({environment.store})"
         timeout = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30")
