@@ -69,6 +69,28 @@ def answers(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def serves(address: str, timeout: float = 2.0) -> bool:
+    """Whether a gRPC server at `address` answers within `timeout` seconds.
+
+    Unlike `answers`, this tells a frozen process (stopped, or on a frozen machine)
+    from a live one: the kernel accepts a connection for either, but only a running
+    server replies to HTTP/2's connection preface (with its SETTINGS frame), even
+    while it is busy computing.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as connection:
+            connection.settimeout(timeout)
+            connection.sendall(_HTTP2_PREFACE)
+            return bool(connection.recv(9))
+    except (OSError, ValueError):
+        return False
+
+
+# The client's connection preface and an empty SETTINGS frame (RFC 9113, section 3.4).
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
 def job_address(coordinator_host: str) -> str | None:
     """The address this process's peers reach it by, in a job whose coordinator is `coordinator_host`.
 

@@ -1,5 +1,6 @@
 """`fit`, `evaluate` and `predict` on the chief, each step a closure scheduled on a worker."""
 
+import concurrent.futures
 import itertools
 import sys
 import threading
@@ -11,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, timeouts
+from keras_dist import keras_workarounds, network, timeouts
 from keras_dist.inputs import tf_data
 from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
@@ -32,24 +33,26 @@ class CoordinatedSteps:
         model: the compiled model, its variables under `strategy`.
         strategy: the `ParameterServerStrategy`.
         coordinator: its `ClusterCoordinator`.
-        num_workers: how many workers share the steps (bounds the closures in flight).
+        workers: the worker tasks' addresses, in task order (their number bounds the
+            closures in flight; a stalled step probes them to name a frozen one).
         step_timeout: seconds a step may take before the job stops with a one-line error;
             None: `timeouts.DEFAULT_FIRST_STEP_TIMEOUT` until a step function has run
             `timeouts.FIRST_STEPS` times on each worker's share, then `timeouts.DEFAULT_STEP_TIMEOUT`.
         stalled: set when a step did not finish in time.
     """
 
-    def __init__(self, model, strategy, coordinator, num_workers=1, step_timeout=None, stalled=None):
+    def __init__(self, model, strategy, coordinator, workers=("",), step_timeout=None, stalled=None):
         self.model = model
         self.step_timeout = step_timeout
-        self.num_workers = num_workers
+        self.workers = workers
+        self.num_workers = len(workers)
         self._finished = {}  # step function -> steps fetched
         self.stalled = stalled or threading.Event()
         self.strategy = strategy
         self.coordinator = coordinator
         # Enough queued steps to keep every worker busy, few enough that the chief reads
         # ahead of the workers by a handful of batches only.
-        self.max_in_flight = 4 * num_workers
+        self.max_in_flight = 4 * self.num_workers
         self._step_functions = {}
 
     # --- the closures ---------------------------------------------------------
@@ -154,13 +157,26 @@ class CoordinatedSteps:
                     raise
             except TimeoutError:
                 self.stalled.set()
-                worker = _worker_running(remote)
-                where = "a worker" if worker is None else f"/job:worker/task:{worker}"
                 raise KerasDistError(
-                    f"a step did not finish within {timeout:g} s: {where} is frozen or stalled, and "
+                    f"a step did not finish within {timeout:g} s: {self._stopped(remote)} is frozen or stalled, and "
                     "TensorFlow cannot go on without it; restart it and rerun (BackupAndRestore resumes after the "
                     f"last epoch), or raise {timeouts.STEP_TIMEOUT_VAR} if steps are that slow") from None
             remote = self.coordinator.schedule(function, args=args)
+
+    def _stopped(self, remote):
+        """Names the workers that no longer answer, else the one running `remote`'s step.
+
+        The step waited on is not always the frozen worker's: others' steps can wait
+        behind it (seen: worker 0's step unfinished 5 s after worker 1 froze).
+        """
+        with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
+            serving = list(pool.map(network.serves, self.workers))
+        frozen = [f"/job:worker/task:{i} ({address})" for i, (address, up) in enumerate(zip(self.workers, serving))
+                  if not up]
+        if frozen:
+            return ", ".join(frozen)
+        worker = _worker_running(remote)
+        return "a worker" if worker is None else f"/job:worker/task:{worker} ({self.workers[worker]})"
 
     def _run(self, function, inputs, callbacks, hooks):
         """Runs `function` on each input as closures, a bounded number in flight; returns their values.

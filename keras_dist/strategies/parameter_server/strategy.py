@@ -162,7 +162,7 @@ class ParameterServerStrategy(Strategy):
                                  "takes, with the variables it updates")
         steps = self._steps.get(model)
         if steps is None:
-            steps = self._steps[model] = CoordinatedSteps(model, self.strategy, self.coordinator, self.num_workers,
+            steps = self._steps[model] = CoordinatedSteps(model, self.strategy, self.coordinator, self.cluster["worker"],
                                                          self.step_timeout, self.stalled)
         try:
             return getattr(steps, method)(**arguments)
