@@ -1,12 +1,12 @@
 """The test helpers: run real processes with a hard timeout (killing their whole group), run
 the training worker on a backend, and compare what trainings ended with."""
 
+import concurrent.futures
 import json
 import os
 import pickle
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,19 +37,23 @@ def run_many(commands, timeout, envs=None, cwd=None):
         )
         for argv, env in zip(commands, envs or [{}] * len(commands))
     ]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for argv, proc in zip(commands, procs):
-            try:
-                out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                kill_process_groups(procs)
-                out, _ = proc.communicate()
-                pytest.fail(f"{[str(a) for a in argv[:6]]} did not finish in {timeout}s (killed); output tail:\n{out[-4000:]}")
-            results.append((proc.returncode, out))
-    finally:
-        kill_process_groups(procs)
+    # Each output is read on a thread of its own: a process whose pipe is full would
+    # otherwise wait for the ones before it to end.
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        outputs = [pool.submit(proc.communicate, timeout=timeout) for proc in procs]
+        results = []
+        try:
+            for argv, proc, output in zip(commands, procs, outputs):
+                try:
+                    out, _ = output.result()
+                except subprocess.TimeoutExpired:
+                    kill_process_groups(procs)
+                    out, _ = proc.communicate()
+                    pytest.fail(f"{[str(a) for a in argv[:6]]} did not finish in {timeout}s (killed); "
+                                f"output tail:\n{out[-4000:]}")
+                results.append((proc.returncode, out))
+        finally:
+            kill_process_groups(procs)
     return results
 
 
@@ -58,9 +62,13 @@ def run(argv, timeout, env=None, cwd=None):
     return run_many([argv], timeout, [env or {}], cwd)[0]
 
 
+def horovodrun_command(num_ranks, argv):
+    """`horovodrun` running the Python script `argv` on `num_ranks` local ranks over Gloo."""
+    return [BIN / "horovodrun", "-np", num_ranks, "-H", f"localhost:{num_ranks}", "--gloo", PYTHON, *argv]
+
+
 def horovodrun(num_ranks, argv, timeout, env=None):
-    command = [BIN / "horovodrun", "-np", num_ranks, "-H", f"localhost:{num_ranks}", "--gloo", PYTHON, *argv]
-    return run(command, timeout, env)
+    return run(horovodrun_command(num_ranks, argv), timeout, env)
 
 
 def load_results(directory, name, ranks):

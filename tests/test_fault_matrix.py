@@ -11,6 +11,7 @@ parameter-server cases are in test_parameter_server.py: there, a lost worker is 
 Run with `-s` to see the matrix: case, backend, seconds to end, resumed epoch.
 """
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -106,8 +107,8 @@ def run_to_completion(backend, directory):
     assert all(p.returncode == 0 for p in procs), out[-4000:]
 
 
-@pytest.mark.parametrize("backend", ["horovod", "multi_worker_mirrored"])
-def test_every_fault_ends_the_job_in_bounded_time_and_a_rerun_loses_no_completed_epoch(tmp_path, backend):
+def run_the_chain(backend, tmp_path):
+    """Runs CHAIN on `backend` in `tmp_path`; returns the matrix rows `(case, seconds, resumed epoch)`."""
     uninterrupted = tmp_path / "uninterrupted"
     uninterrupted.mkdir()
     run_to_completion(backend, uninterrupted)
@@ -120,14 +121,15 @@ def test_every_fault_ends_the_job_in_bounded_time_and_a_rerun_loses_no_completed
         seconds = wait_for_the_end(procs, directory, fault, rank)
         case = f"{fault} rank {rank} {moment.replace('_', '-')}"
         out = output(procs)
-        assert all(p.returncode != 0 for p in procs), f"{case}: a process trained on alone;\n{out[-4000:]}"
+        assert all(p.returncode != 0 for p in procs), f"{backend} {case}: a process trained on alone;\n{out[-4000:]}"
         for r in range(2):
             # Others may begin the next epoch while the chief saves, then wait for it.
-            assert epochs_begun(directory, r)[:2] == [run, run + 1], f"{case}: rank {r} did not resume at epoch {run}"
-        assert seconds < ENDS_WITHIN[fault], f"{case}: the job took {seconds:.1f}s to end;\n{out[-4000:]}"
+            assert epochs_begun(directory, r)[:2] == [run, run + 1], \
+                f"{backend} {case}: rank {r} did not resume at epoch {run}"
+        assert seconds < ENDS_WITHIN[fault], f"{backend} {case}: the job took {seconds:.1f}s to end;\n{out[-4000:]}"
         if fault == "freeze":  # a survivor names the frozen process in one line
             stopped = [line for line in out.splitlines() if "KerasDistError: " in line and "stopped answering" in line]
-            assert stopped and f"rank {rank} on " in stopped[0], f"{case}:\n{out[-4000:]}"
+            assert stopped and f"rank {rank} on " in stopped[0], f"{backend} {case}:\n{out[-4000:]}"
         assert_checkpoints_whole(directory)
         rows.append((case, seconds, run + 1))
 
@@ -139,6 +141,19 @@ def test_every_fault_ends_the_job_in_bounded_time_and_a_rerun_loses_no_completed
         with np.load(directory / f"weights.{r}.npz") as got, np.load(uninterrupted / f"weights.{r}.npz") as want:
             for key in want:
                 np.testing.assert_allclose(got[key], want[key], atol=1e-6)
+    return rows
+
+
+def test_every_fault_ends_the_job_in_bounded_time_and_a_rerun_loses_no_completed_epoch(tmp_path):
+    # The backends' chains run side by side: most of a chain is waiting for a fault to be
+    # noticed (a Gloo or heartbeat timeout), time the other chain's processes compute in.
+    backends = ["horovod", "multi_worker_mirrored"]
+    for backend in backends:
+        (tmp_path / backend).mkdir()
+    with concurrent.futures.ThreadPoolExecutor(len(backends)) as pool:
+        chains = {backend: pool.submit(run_the_chain, backend, tmp_path / backend) for backend in backends}
+        rows = {backend: chain.result() for backend, chain in chains.items()}
     print()
-    for case, seconds, resumed in rows:
-        print(f"| {case} | {backend} | {seconds:.1f} | {resumed} |")
+    for backend in backends:
+        for case, seconds, resumed in rows[backend]:
+            print(f"| {case} | {backend} | {seconds:.1f} | {resumed} |")

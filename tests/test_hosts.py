@@ -266,7 +266,8 @@ def test_a_frozen_or_cut_off_host_ends_the_job_in_bounded_time_naming_it(debian_
     ended, _ = wait_for_the_end(bed, processes, timeout=120, frozen=[processes[1]] if loss == "freeze" else [])
     out = bed.output(processes[0])
     print(f"{strategy}: the first host's job ended {ended[0] - frozen:.1f} s after the second host's {loss}")
-    assert processes[0].returncode != 0 and ended[0] - frozen < 10 + 10, out[-3000:]
+    # torch: 10 s, the peers' 3 s to note their failure, then torchrun's teardown.
+    assert processes[0].returncode != 0 and ended[0] - frozen < 10 + 15, out[-3000:]
     errors = [line.split("KerasDistError: ", 1)[1] for line in out.splitlines() if "KerasDistError: " in line]
     # TF_CONFIG names each task by its address.
     host = bed.hosts[1].address if strategy == "multi_worker_mirrored" else "node1"

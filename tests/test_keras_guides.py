@@ -7,13 +7,11 @@ does; unseeded ones must agree on every rank, with the frozen layer unmoved. The
 transfer-learning recipe also runs under Horovod and MultiWorkerMirrored.
 """
 
-import os
-import pickle
 
 import numpy as np
 import pytest
 
-from runner import BIN, PYTHON, WORKERS, horovodrun, run
+from runner import BIN, PYTHON, WORKERS, horovodrun_command, load_results, run, run_many
 from test_published_patterns import assert_close
 
 pytestmark = pytest.mark.timeout(900)
@@ -26,30 +24,32 @@ PATTERNS = [*UNSEEDED, "unseeded_iterable_dataset", *SEEDED]
 CONFIGURATIONS = {"jax": ["plain_1", "keras_dist_1", "launch_2"], "torch": ["plain_1", "keras_dist_1", "launch_2", "torchrun_2"]}
 
 
-def run_patterns(configuration, keras_backend, directory, patterns, timeout=400):
-    """Runs the worker under `configuration`; returns {pattern: [result per rank]}."""
-    argv = [SCRIPT, directory, "plain" if configuration == "plain_1" else "keras_dist", *patterns]
-    env = {"KERAS_BACKEND": keras_backend}
+def command(configuration, argv):
     if configuration.endswith("_1"):
-        code, output = run([PYTHON, *argv], timeout, env=env)
-    elif configuration == "launch_2":
-        code, output = run([BIN / "keras-dist", "launch", "-n", 2, *argv], timeout, env=env)
-    elif configuration == "torchrun_2":
-        code, output = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, *argv],
-                           timeout, env=env)
-    elif configuration == "horovod_2":
-        code, output = horovodrun(2, argv, timeout, env=env)
-    else:
-        code, output = run([BIN / "keras-dist", "launch", "--backend", "multi_worker_mirrored", "-n", 2, *argv],
-                           timeout, env=env)
-    assert code == 0, f"{configuration}:\n{output[-5000:]}"
-    ranks = 1 if configuration.endswith("_1") else 2
+        return [PYTHON, *argv]
+    if configuration == "launch_2":
+        return [BIN / "keras-dist", "launch", "-n", 2, *argv]
+    if configuration == "torchrun_2":
+        return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, *argv]
+    if configuration == "horovod_2":
+        return horovodrun_command(2, argv)
+    return [BIN / "keras-dist", "launch", "--backend", "multi_worker_mirrored", "-n", 2, *argv]
+
+
+def run_patterns(configurations, keras_backend, directory, patterns, timeout=400):
+    """Runs the worker under each configuration, all at once; returns {configuration: {pattern: [result per rank]}}."""
+    directories = {name: directory / name for name in configurations}
+    commands = []
+    for name in configurations:
+        directories[name].mkdir()
+        commands.append(command(name, [SCRIPT, directories[name], "plain" if name == "plain_1" else "keras_dist",
+                                       *patterns]))
+    outputs = run_many(commands, timeout, [{"KERAS_BACKEND": keras_backend}] * len(commands))
     results = {}
-    for pattern in patterns:
-        results[pattern] = []
-        for rank in range(ranks):
-            with open(os.path.join(directory, f"{pattern}.{rank}.pkl"), "rb") as f:
-                results[pattern].append(pickle.load(f))
+    for name, (code, output) in zip(configurations, outputs):
+        assert code == 0, f"{name}:\n{output[-5000:]}"
+        ranks = 1 if name.endswith("_1") else 2
+        results[name] = {pattern: load_results(directories[name], pattern, ranks) for pattern in patterns}
     return results
 
 
@@ -59,9 +59,8 @@ def guides(request, tmp_path_factory):
     keras_backend = request.param
     pytest.importorskip(keras_backend)
     pytest.importorskip("torch")  # the DataLoader patterns, on every Keras backend
-    return keras_backend, {name: run_patterns(name, keras_backend, tmp_path_factory.mktemp(f"{keras_backend}-{name}"),
-                                              PATTERNS)
-                           for name in CONFIGURATIONS[keras_backend]}
+    return keras_backend, run_patterns(CONFIGURATIONS[keras_backend], keras_backend,
+                                       tmp_path_factory.mktemp(keras_backend), PATTERNS)
 
 
 def test_seeded_guides_match_one_plain_process_at_the_global_batch(guides):
@@ -105,21 +104,22 @@ def test_an_iterable_dataset_is_refused_in_one_line_under_two_processes_only(gui
         assert "IterableDataset" in message and "\n" not in message, message
 
 
-@pytest.mark.parametrize("configuration", ["horovod_2", "mwms_2"])
-def test_tensorflow_strategies_keep_a_frozen_base_frozen_and_split_or_refuse_a_data_loader(tmp_path, configuration):
+def test_tensorflow_strategies_keep_a_frozen_base_frozen_and_split_or_refuse_a_data_loader(tmp_path):
     pytest.importorskip("torch")
-    results = run_patterns(configuration, "tensorflow", tmp_path, ["unseeded_transfer_learning", "seeded_dataloader"])
-    first, second = results["unseeded_transfer_learning"]
-    assert not first["frozen_moved"] and not second["frozen_moved"]
-    assert_close(second, first, configuration, tolerance=1e-6)
-    assert all(np.isfinite(w).all() for w in first["weights"])
-    # A DataLoader: split under Horovod; refused in one line where every step is a collective.
-    loader = results["seeded_dataloader"]
-    if configuration == "mwms_2":
-        assert all("cannot read a torch DataLoader" in r["refused"] and "\n" not in r["refused"] for r in loader)
-    else:
-        assert "refused" not in loader[0], loader[0]
-        assert_close(loader[1], loader[0], configuration, tolerance=1e-6)
+    runs = run_patterns(["horovod_2", "mwms_2"], "tensorflow", tmp_path,
+                        ["unseeded_transfer_learning", "seeded_dataloader"])
+    for configuration, results in runs.items():
+        first, second = results["unseeded_transfer_learning"]
+        assert not first["frozen_moved"] and not second["frozen_moved"]
+        assert_close(second, first, configuration, tolerance=1e-6)
+        assert all(np.isfinite(w).all() for w in first["weights"])
+        # A DataLoader: split under Horovod; refused in one line where every step is a collective.
+        loader = results["seeded_dataloader"]
+        if configuration == "mwms_2":
+            assert all("cannot read a torch DataLoader" in r["refused"] and "\n" not in r["refused"] for r in loader)
+        else:
+            assert "refused" not in loader[0], loader[0]
+            assert_close(loader[1], loader[0], configuration, tolerance=1e-6)
 
 
 def test_the_fit_start_broadcast_reports_ranks_whose_weights_differed(tmp_path):

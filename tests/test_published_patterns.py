@@ -1,9 +1,9 @@
 """What published Keras scripts do, unchanged but for the two lines, on every backend.
 
 tests/workers/published_patterns.py holds the patterns (our own scripts, written after
-reading Keras's guides and examples). One run per configuration, each a real launch:
-one plain process at the global batch (the reference), `horovodrun` with 2 ranks, MultiWorkerMirrored with 2 workers and parameter servers
-(chief, 2 workers, 1 ps). Deterministic patterns must end where the reference does;
+reading Keras's guides and examples). One run per configuration, each a real launch, all
+at once: one plain process at the global batch (the reference), `horovodrun` with 2 ranks,
+MultiWorkerMirrored with 2 workers and parameter servers (chief, 2 workers, 1 ps). Deterministic patterns must end where the reference does;
 the others must at least agree across workers.
 """
 
@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 import pytest
 
-from runner import BIN, PYTHON, WORKERS, horovodrun, run
+from runner import BIN, PYTHON, WORKERS, horovodrun_command, run_many
 
 pytestmark = pytest.mark.timeout(900)
 SCRIPT = WORKERS / "published_patterns.py"
@@ -29,26 +29,28 @@ PATTERNS = EXACT + AGREE
 SYNCHRONOUS = ["horovod_2", "mwms_2"]
 
 
-def launch(backend, argv, timeout):
-    return run([BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, *(["--ps", 1] if backend == "parameter_server" else []),
-                *argv], timeout)
+def command(configuration, argv):
+    if configuration == "plain_1":
+        return [PYTHON, *argv]
+    if configuration == "horovod_2":
+        return horovodrun_command(2, argv)
+    backend = {"mwms_2": "multi_worker_mirrored", "ps_2": "parameter_server"}[configuration]
+    return [BIN / "keras-dist", "launch", "--backend", backend, "-n", 2,
+            *(["--ps", 1] if backend == "parameter_server" else []), *argv]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """{configuration: {pattern: [result per rank]}}, every configuration run once."""
+    """{configuration: {pattern: [result per rank]}}, every configuration run once, all at once
+    (a run of small models mostly waits: on its peers, on start-up and teardown)."""
+    configurations = {"plain_1": 1, "horovod_2": 2, "mwms_2": 2, "ps_2": 1}
+    directories = {name: tmp_path_factory.mktemp(name) for name in configurations}
+    commands = [command(name, [SCRIPT, directories[name], "plain" if name == "plain_1" else "keras_dist", *PATTERNS])
+                for name in configurations]
     out = {}
-    for name, ranks in (("plain_1", 1), ("horovod_2", 2), ("mwms_2", 2), ("ps_2", 1)):
-        directory = tmp_path_factory.mktemp(name)
-        argv = [SCRIPT, directory, "plain" if name == "plain_1" else "keras_dist", *PATTERNS]
-        if name == "plain_1":
-            code, output = run([PYTHON, *argv], 300, env={"KERAS_DIST_BACKEND": ""})
-        elif name == "horovod_2":
-            code, output = horovodrun(2, argv, 400)
-        else:
-            code, output = launch({"mwms_2": "multi_worker_mirrored", "ps_2": "parameter_server"}[name], argv, 400)
+    for (name, ranks), (code, output) in zip(configurations.items(), run_many(commands, 600)):
         assert code == 0, f"{name}:\n{output[-5000:]}"
-        out[name] = {p: [_load(directory, p, r) for r in range(ranks)] for p in PATTERNS}
+        out[name] = {p: [_load(directories[name], p, r) for r in range(ranks)] for p in PATTERNS}
     return out
 
 

@@ -3,6 +3,8 @@ line a script changes, their data, and running the named patterns (imports no fr
 
 import os
 import pickle
+import sys
+import time
 
 import numpy as np
 
@@ -40,9 +42,11 @@ def run_patterns(namespace, names, out_dir, rank):
     A pattern keras_dist refuses stores {"refused": message}.
     """
     for name in names:
+        start = time.perf_counter()
         try:
             out = namespace[f"pattern_{name}"]()
         except keras_dist.KerasDistError as exc:
             out = {"refused": str(exc)}
         with open(os.path.join(out_dir, f"{name}.{rank}.pkl"), "wb") as f:
             pickle.dump(out, f)
+        print(f"pattern {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
