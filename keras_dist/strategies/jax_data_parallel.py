@@ -81,10 +81,11 @@ def _start_process_group(environ):
         watchdog.start()
         later = timeouts.later_steps(environ=environ)
         try:
-            # JAX's heartbeats end the job too, a little after keras_dist's own `_PeerWatch`.
+            # JAX's heartbeats end the job too, after keras_dist's own `_PeerWatch`: at twice its
+            # timeout (seen: JAX's abort first, 10.9 s after a freeze, at `later` + 10 s).
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
                                        process_id=environment.rank, initialization_timeout=int(start) + 5,
-                                       heartbeat_timeout_seconds=int(later) + _PeerWatch.MARGIN,
+                                       heartbeat_timeout_seconds=2 * int(later) + _PeerWatch.MARGIN,
                                        coordinator_bind_address=None if bind is None or environ.get("KERAS_DIST_BIND_ALL") == "1"
                                        else f"{bind}:{port}")
         except RuntimeError as exc:
@@ -112,7 +113,7 @@ class _PeerWatch:
     names a task number, and their Python callback cannot be set (jaxlib 0.10:
     `get_distributed_runtime_client(missed_heartbeat_callback=...)` fails with
     std::bad_cast). So each process also beats in the coordination service's key-value
-    store, with JAX's heartbeat timeout `MARGIN` seconds longer than this watch's. Beats
+    store, with JAX's heartbeat timeout at twice this watch's plus `MARGIN` seconds. Beats
     run on threads of their own (the store's calls release the GIL): a busy process keeps
     beating; only a frozen or cut-off one stops. A process that ends marks itself done.
     """
