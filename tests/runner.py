@@ -71,6 +71,23 @@ def horovodrun(num_ranks, argv, timeout, env=None):
     return run(horovodrun_command(num_ranks, argv), timeout, env)
 
 
+def configuration_command(configuration, argv):
+    """The command running the Python script `argv` under a pattern test's configuration:
+    "plain_1" or "keras_dist_1" (one process), "launch_2" (`keras-dist launch -n 2`),
+    "torchrun_2", "horovod_2", "mwms_2" (MultiWorkerMirrored) or "ps_2" (2 workers, 1 ps)."""
+    if configuration.endswith("_1"):
+        return [PYTHON, *argv]
+    if configuration == "launch_2":
+        return [BIN / "keras-dist", "launch", "-n", 2, *argv]
+    if configuration == "torchrun_2":
+        return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, *argv]
+    if configuration == "horovod_2":
+        return horovodrun_command(2, argv)
+    backend = {"mwms_2": "multi_worker_mirrored", "ps_2": "parameter_server"}[configuration]
+    return [BIN / "keras-dist", "launch", "--backend", backend, "-n", 2,
+            *(["--ps", 1] if backend == "parameter_server" else []), *argv]
+
+
 def load_results(directory, name, ranks):
     results = []
     for rank in range(ranks):

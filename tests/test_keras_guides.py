@@ -11,7 +11,7 @@ transfer-learning recipe also runs under Horovod and MultiWorkerMirrored.
 import numpy as np
 import pytest
 
-from runner import BIN, PYTHON, WORKERS, horovodrun_command, load_results, run, run_many
+from runner import BIN, WORKERS, configuration_command, load_results, run, run_many
 from test_published_patterns import assert_close
 
 pytestmark = pytest.mark.timeout(900)
@@ -24,26 +24,14 @@ PATTERNS = [*UNSEEDED, "unseeded_iterable_dataset", *SEEDED]
 CONFIGURATIONS = {"jax": ["plain_1", "keras_dist_1", "launch_2"], "torch": ["plain_1", "keras_dist_1", "launch_2", "torchrun_2"]}
 
 
-def command(configuration, argv):
-    if configuration.endswith("_1"):
-        return [PYTHON, *argv]
-    if configuration == "launch_2":
-        return [BIN / "keras-dist", "launch", "-n", 2, *argv]
-    if configuration == "torchrun_2":
-        return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, *argv]
-    if configuration == "horovod_2":
-        return horovodrun_command(2, argv)
-    return [BIN / "keras-dist", "launch", "--backend", "multi_worker_mirrored", "-n", 2, *argv]
-
-
 def run_patterns(configurations, keras_backend, directory, patterns, timeout=400):
     """Runs the worker under each configuration, all at once; returns {configuration: {pattern: [result per rank]}}."""
     directories = {name: directory / name for name in configurations}
     commands = []
     for name in configurations:
         directories[name].mkdir()
-        commands.append(command(name, [SCRIPT, directories[name], "plain" if name == "plain_1" else "keras_dist",
-                                       *patterns]))
+        mode = "plain" if name == "plain_1" else "keras_dist"
+        commands.append(configuration_command(name, [SCRIPT, directories[name], mode, *patterns]))
     outputs = run_many(commands, timeout, [{"KERAS_BACKEND": keras_backend}] * len(commands))
     results = {}
     for name, (code, output) in zip(configurations, outputs):

@@ -14,7 +14,7 @@ import pickle
 import numpy as np
 import pytest
 
-from runner import BIN, PYTHON, WORKERS, horovodrun_command, run
+from runner import WORKERS, configuration_command, run
 
 pytestmark = pytest.mark.timeout(900)
 SCRIPT = WORKERS / "published_patterns.py"
@@ -30,16 +30,6 @@ PATTERNS = EXACT + AGREE
 SYNCHRONOUS = ["horovod_2", "mwms_2"]
 
 
-def command(configuration, argv):
-    if configuration == "plain_1":
-        return [PYTHON, *argv]
-    if configuration == "horovod_2":
-        return horovodrun_command(2, argv)
-    backend = {"mwms_2": "multi_worker_mirrored", "ps_2": "parameter_server"}[configuration]
-    return [BIN / "keras-dist", "launch", "--backend", backend, "-n", 2,
-            *(["--ps", 1] if backend == "parameter_server" else []), *argv]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """{configuration: {pattern: [result per rank]}}, every configuration run once, one after
@@ -48,7 +38,7 @@ def results(tmp_path_factory):
     for name, ranks in (("plain_1", 1), ("horovod_2", 2), ("mwms_2", 2), ("ps_2", 1)):
         directory = tmp_path_factory.mktemp(name)
         argv = [SCRIPT, directory, "plain" if name == "plain_1" else "keras_dist", *PATTERNS]
-        code, output = run(command(name, argv), 400)
+        code, output = run(configuration_command(name, argv), 400)
         assert code == 0, f"{name}:\n{output[-5000:]}"
         out[name] = {p: [_load(directory, p, r) for r in range(ranks)] for p in PATTERNS}
     return out

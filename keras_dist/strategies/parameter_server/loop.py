@@ -45,14 +45,13 @@ class CoordinatedSteps:
         self.model = model
         self.step_timeout = step_timeout
         self.workers = workers
-        self.num_workers = len(workers)
         self._finished = {}  # step function -> steps fetched
         self.stalled = stalled or threading.Event()
         self.strategy = strategy
         self.coordinator = coordinator
         # Enough queued steps to keep every worker busy, few enough that the chief reads
         # ahead of the workers by a handful of batches only.
-        self.max_in_flight = 4 * self.num_workers
+        self.max_in_flight = 4 * len(workers)
         self._step_functions = {}
 
     # --- the closures ---------------------------------------------------------
@@ -145,7 +144,7 @@ class CoordinatedSteps:
 
         finished = self._finished.get(function, 0)
         timeout = self.step_timeout or (timeouts.DEFAULT_STEP_TIMEOUT
-                                        if finished >= timeouts.FIRST_STEPS * self.num_workers
+                                        if finished >= timeouts.FIRST_STEPS * len(self.workers)
                                         else timeouts.DEFAULT_FIRST_STEP_TIMEOUT)
         for attempt in range(attempts):
             try:
