@@ -5,16 +5,18 @@
 MODE:
   plain        Keras `fit` in one process
   keras_dist   the two-line change, on the backend the launcher implies (jax or torch)
-  handwritten  that framework's own data-parallel loop, no Keras: for JAX a jitted step
+  handwritten  that framework's own data-parallel loop, without Keras's trainer: for JAX a jitted step
                whose batch is sharded over every process's devices (XLA all-reduces the
                gradients); for PyTorch a `torch.nn` model under DistributedDataParallel,
                or under horovodrun Horovod's DistributedOptimizer
 
 MODEL: the bench's MLP (784-1024-1024-10, batch 128 per replica, 60 batches per process
-and epoch) or its CNN (bench/models.py; batch 64, 20 batches; PyTorch only for
-`handwritten`, where DDP wraps the same Keras network, a `torch.nn.Module` on that
-backend). SGD, NumPy input, unshuffled. `BENCH_THREADS` sets the intra-op
-threads of each process. Measuring is bench/windows.py's; every process prints one
+and epoch) or its CNN (bench/models.py; batch 64, 20 batches). For the CNN `handwritten`
+trains the same Keras network: DDP wraps it (a `torch.nn.Module` on that backend), and
+the JAX step calls its `stateless_call`. SGD, NumPy input, unshuffled.
+
+`BENCH_THREADS` sets the intra-op threads of each process, `BENCH_COMPRESSION` keras_dist's
+`gradient_compression`. Measuring is bench/windows.py's; every process prints one
 `BENCH {json}` line.
 """
 
@@ -32,11 +34,10 @@ parser.add_argument("--data", help="unused (bench/run.py passes it to every work
 args = parser.parse_args()
 
 BACKEND = os.environ["KERAS_BACKEND"]
-if args.mode == "handwritten" and BACKEND == "jax" and args.model == "cnn":
-    parser.error("the hand-written JAX step is the MLP's only")
 THREADS = int(os.environ.get("BENCH_THREADS", "1"))
 if BACKEND == "jax":  # before JAX starts
-    os.environ["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={THREADS}"
+    os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false "
+                               f"intra_op_parallelism_threads={THREADS}").strip()
 
 import numpy as np  # noqa: E402
 
@@ -98,20 +99,33 @@ def jax_handwritten(windows_for):
                                int(os.environ["KERAS_DISTRIBUTION_PROCESS_ID"]))
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     replicated, by_batch = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
-    key = jax.random.PRNGKey(0)
-    params = []
-    for fan_in, fan_out in zip(UNITS[:-1], UNITS[1:]):
-        key, sub = jax.random.split(key)
-        limit = np.sqrt(6 / (fan_in + fan_out))
-        params.append((jax.random.uniform(sub, (fan_in, fan_out), minval=-limit, maxval=limit), jnp.zeros(fan_out)))
+    if CNN:  # the Keras network as a pure function of its weights (it has no other state)
+        import keras
+
+        keras.utils.set_random_seed(0)
+        network = keras_model()
+        params = [v.value for v in network.trainable_variables]
+
+        def logits_of(params, x):
+            return network.stateless_call(params, [], x, training=True)[0]
+    else:
+        key = jax.random.PRNGKey(0)
+        params = []
+        for fan_in, fan_out in zip(UNITS[:-1], UNITS[1:]):
+            key, sub = jax.random.split(key)
+            limit = np.sqrt(6 / (fan_in + fan_out))
+            params.append((jax.random.uniform(sub, (fan_in, fan_out), minval=-limit, maxval=limit), jnp.zeros(fan_out)))
+
+        def logits_of(params, x):
+            for i, (w, b) in enumerate(params):
+                x = x @ w + b
+                if i < len(params) - 1:
+                    x = jax.nn.relu(x)
+            return x
     params = jax.device_put(params, replicated)
 
     def loss_fn(params, x, y):
-        for i, (w, b) in enumerate(params):
-            x = x @ w + b
-            if i < len(params) - 1:
-                x = jax.nn.relu(x)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(x), y[:, None], axis=1))
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits_of(params, x)), y[:, None], axis=1))
 
     @jax.jit
     def step(params, x, y):
@@ -129,7 +143,7 @@ def jax_handwritten(windows_for):
             params, loss = step(params, xb, yb)
         loss.block_until_ready()
         done = windows.epoch_end(STEPS * BATCH)
-    return windows, rank, size, sum(w.size + b.size for w, b in params)
+    return windows, rank, size, sum(leaf.size for leaf in jax.tree.leaves(params))
 
 
 def torch_handwritten(windows_for):
@@ -189,7 +203,8 @@ def main():
     else:
         ctx = keras_dist.init()
         rank, size, windows = ctx.rank, ctx.size, windows_for(ctx.rank)
-        params = keras_run(rank, size, windows, keras_dist.compile)
+        params = keras_run(rank, size, windows, lambda model, **kw: keras_dist.compile(
+            model, gradient_compression=os.environ.get("BENCH_COMPRESSION") or None, **kw))
     windows.report(size, params)
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/hosts.py [--models cnn,mlp] [--rate 200mbit] [--configs NAME,...]
                                     [--rounds 2] [--window 20] [--windows 2] [--buckets 1,4,64]
+                                    [--env NAME=VALUE ...]
 
 Needs root (tests/hostbed.py): two network namespaces, one core each, an sshd on each,
 and every link limited with `tc tbf` to --rate. Horovod configurations run under
@@ -9,20 +10,26 @@ and every link limited with `tc tbf` to --rate. Horovod configurations run under
 bench/worker.py measuring windows as bench/run.py does (medians over windows,
 configurations alternated round by round, CPU-seconds per sample summed over ranks).
 
-Keras on PyTorch and JAX (bench/backend_worker.py; the JAX reference on the MLP only) run under
-`keras-dist launch --backend B --nnodes 2 --node-rank I --master-addr node0` on each host.
+MultiWorkerMirrored, and Keras on PyTorch and JAX (bench/backend_worker.py), run under
+`keras-dist launch --backend B --nnodes 2 --node-rank I --master-addr node0` on each host,
+as a user runs them.
 
 Configurations (processes x 1 core):
   plain_1                  Keras `fit`, one process on the first host: the compute rate
   keras_dist_2             the two-line change on Horovod (bucketed, overlapped all-reduce)
   keras_dist_2_bN          the same with KERAS_DIST_BUCKET_BYTES = N MiB (--buckets; also torch_keras_dist_2_bN)
   keras_dist_fp16_2        the same with gradient_compression="fp16"
+  keras_dist_mwms_2        the two-line change on MultiWorkerMirrored (`keras-dist launch` on each host;
+                           also keras_dist_mwms_2_bN: TensorFlow's CommunicationOptions.bytes_per_pack)
+  handwritten_mwms_2       a tf.function step run by MultiWorkerMirroredStrategy, TF_CONFIG as above
   handwritten_2            hand-written Horovod loop, one grouped all-reduce after backward
   handwritten_per_tensor_2 hand-written Horovod loop, one all-reduce per gradient tensor
   torch_plain_1, jax_plain_1          Keras `fit` on that Keras backend, one process
   torch_keras_dist_2, jax_keras_dist_2  the two-line change on that Keras backend
-  torch_ddp_2              a `torch.nn` MLP under DistributedDataParallel (gloo)
-  jax_sharded_jit_2        a jitted JAX step whose batch is sharded over both processes
+  torch_keras_dist_fp16_2  the same on PyTorch with gradient_compression="fp16"
+  torch_ddp_2              DistributedDataParallel (gloo) over a `torch.nn` MLP or the Keras CNN
+  jax_sharded_jit_2        a jitted JAX step whose batch is sharded over both processes (the CNN:
+                           the Keras network's `stateless_call`)
 
 Reported per model: samples/s (both hosts), CPU-s/sample, scaling efficiency (samples/s
 over twice plain_1) and the overlap limit: two hosts whose per-step compute (from
@@ -54,9 +61,13 @@ def configs(buckets):
     found = {"plain_1": ("plain", None, {}), "keras_dist_2": ("keras_dist", "horovod", {}),
              "keras_dist_fp16_2": ("keras_dist", "horovod", {"BENCH_COMPRESSION": "fp16"}),
              "handwritten_2": ("handwritten", "horovod", {}),
-             "handwritten_per_tensor_2": ("handwritten_per_tensor", "horovod", {})}
+             "handwritten_per_tensor_2": ("handwritten_per_tensor", "horovod", {}),
+             "keras_dist_mwms_2": ("keras_dist", "multi_worker_mirrored", {}),
+             "handwritten_mwms_2": ("handwritten_mwms", "multi_worker_mirrored", {})}
     for mib in buckets:
-        found[f"keras_dist_2_b{mib:g}"] = ("keras_dist", "horovod", {"KERAS_DIST_BUCKET_BYTES": str(int(mib * 2**20))})
+        size = {"KERAS_DIST_BUCKET_BYTES": str(int(mib * 2**20))}
+        found[f"keras_dist_2_b{mib:g}"] = ("keras_dist", "horovod", size)
+        found[f"keras_dist_mwms_2_b{mib:g}"] = ("keras_dist", "multi_worker_mirrored", size)
     for backend, reference in (("torch", "ddp"), ("jax", "sharded_jit")):
         env = {"KERAS_BACKEND": backend, "BENCH_THREADS": "1"}
         if backend == "torch":
@@ -65,6 +76,7 @@ def configs(buckets):
                                                          {**env, "KERAS_DIST_BUCKET_BYTES": str(int(mib * 2**20))})
         found.update({f"{backend}_plain_1": ("plain", None, env), f"{backend}_keras_dist_2": ("keras_dist", backend, env),
                       f"{backend}_{reference}_2": ("handwritten", backend, env)})
+    found["torch_keras_dist_fp16_2"] = ("keras_dist", "torch", {**found["torch_keras_dist_2"][2], "BENCH_COMPRESSION": "fp16"})
     return found
 
 
@@ -104,7 +116,8 @@ def launch(bed, model, config, args):
         commands = [argv]
     base = {**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, "TF_CPP_MIN_LOG_LEVEL": "2",
             "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
-    processes = [bed.start(host, command, env={**base, **env}) for host, command in zip(bed.hosts, commands)]
+    extra = dict(setting.split("=", 1) for setting in args.env)
+    processes = [bed.start(host, command, env={**base, **env, **extra}) for host, command in zip(bed.hosts, commands)]
     deadline = time.monotonic() + args.window * args.windows * 4 + 180
     try:
         for process in processes:
@@ -133,6 +146,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--window", type=float, default=20.0)
     parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in every configuration's processes (repeat for several)")
     args = parser.parse_args()
     chosen = configs([float(b) for b in args.buckets.split(",") if b])
     if args.configs:
@@ -146,8 +161,6 @@ def main():
         for round_ in range(args.rounds):
             for model in models:
                 for name, config in chosen.items():
-                    if name == "jax_sharded_jit_2" and model != "mlp":  # bench/backend_worker.py's MLP only
-                        continue
                     windows, params[model] = launch(bed, model, config, args)
                     figures[model][name] += windows
                     print(f"round {round_} {model}/{name}: " + ", ".join(f"{s:.0f}/s" for s, _ in windows), flush=True)

@@ -28,8 +28,9 @@ def compile(
         model: a `keras.Model`.
         *args: passed to `model.compile` (optimizer, loss, ...).
         gradient_reduction: `"mean"` (default) or `"sum"` of the replicas' gradients.
-        gradient_compression: `None` or `"fp16"`, the dtype gradients travel in
-            (backends that reduce in keras_dist, such as Horovod).
+        gradient_compression: `None` or `"fp16"`, the dtype gradients travel in, on
+            the backends whose all-reduce keras_dist runs (Horovod, PyTorch); the others
+            refuse it. It pays on slow links only (docs/benchmarks.md).
         scale_learning_rate: multiply the optimizer's learning rate by the number of
             replicas (pair it with `keras_dist.callbacks.LearningRateWarmup`).
         **kwargs: passed to `model.compile`.

@@ -65,3 +65,18 @@ def test_detection_reads_only_the_environment():
     assert strategies.select(environ={"CUDA_VISIBLE_DEVICES": "0,1"})[0] == "mirrored"
     assert strategies.select(environ={"CUDA_VISIBLE_DEVICES": "0"})[0] == "single"
     assert strategies.select(environ={"CUDA_VISIBLE_DEVICES": "-1"})[0] == "single"
+
+
+def test_gradient_compression_is_refused_in_one_line():
+    # tf.distribute would send the gradients uncompressed: say so rather than ignore it.
+    script = ("import tensorflow as tf\n"
+              "tf.config.set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0],\n"
+              "                                           [tf.config.LogicalDeviceConfiguration()] * 2)\n"
+              "import keras, keras_dist\n"
+              "keras_dist.init(backend='mirrored')\n"
+              "model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+              "keras_dist.compile(model, optimizer='sgd', loss='mse', gradient_compression='fp16')\n")
+    code, out = runner.run([runner.PYTHON, "-c", script], timeout=120)
+    assert code != 0
+    assert ("KerasDistError: backend 'mirrored' all-reduces gradients as they are; drop gradient_compression, "
+            "or train under horovodrun to compress them") in out, out[-3000:]

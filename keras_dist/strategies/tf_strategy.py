@@ -85,6 +85,9 @@ class TFDistributeStrategy(Strategy):
                 f"backend {self.name!r} always averages gradients across replicas; "
                 "drop gradient_reduction='sum' (or scale the loss yourself)"
             )
+        if options.compression:  # tf.distribute's collectives have no wire dtype of their own
+            raise KerasDistError(f"backend {self.name!r} all-reduces gradients as they are; drop "
+                                 "gradient_compression, or train under horovodrun to compress them")
         adopt_optimizer(optimizer, self.strategy)
         if hasattr(self.strategy, UNDIVIDED_LOSSES):
             from keras_dist import optimizer_hooks

@@ -141,19 +141,24 @@ class TorchDistributedStrategy(Strategy):
 
         `name` is the same on every process and at every step for the same bucket.
         """
-        from torch._utils import _flatten_dense_tensors
-
-        flat = _flatten_dense_tensors(tensors)
-        wire = flat.to(self._torch.float16) if options.compression == "fp16" else flat
+        torch = self._torch
+        # One pass: the copy into the bucket is the cast to the wire's dtype.
+        wire = torch.empty(sum(t.numel() for t in tensors), device=tensors[0].device,
+                           dtype=torch.float16 if options.compression == "fp16" else tensors[0].dtype)
+        torch.cat([t.reshape(-1) for t in tensors], out=wire)
         return self.collectives.start_sum(wire, name), wire
 
     def _finish_allreduce(self, started, tensors, options):
         """Waits for `_start_allreduce`; the summed (or averaged) tensors, shaped as `tensors`."""
         from torch._utils import _unflatten_dense_tensors
 
-        flat = self.collectives.wait(*started).to(tensors[0].dtype)
-        if options.reduction == "mean":
-            flat /= self.size
+        wire = self.collectives.wait(*started)
+        divisor = self.size if options.reduction == "mean" else 1
+        if wire.dtype == tensors[0].dtype:
+            flat = wire.div_(divisor) if divisor != 1 else wire
+        else:  # one pass back from the wire's dtype, averaged on the way
+            flat = self._torch.empty(wire.shape, dtype=tensors[0].dtype, device=wire.device)
+            self._torch.div(wire, divisor, out=flat)
         return list(_unflatten_dense_tensors(flat, tensors))
 
     def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list["torch.Tensor"]:
