@@ -13,7 +13,7 @@ def compile(
     model: keras.Model,
     *args: Any,
     gradient_reduction: Literal["mean", "sum"] = "mean",
-    gradient_compression: Literal["fp16"] | None = None,
+    gradient_compression: Literal["fp16", "bf16"] | None = None,
     scale_learning_rate: bool = False,
     **kwargs: Any,
 ) -> None:
@@ -28,9 +28,10 @@ def compile(
         model: a `keras.Model`.
         *args: passed to `model.compile` (optimizer, loss, ...).
         gradient_reduction: `"mean"` (default) or `"sum"` of the replicas' gradients.
-        gradient_compression: `None` or `"fp16"`, the dtype gradients travel in, on
-            the backends whose all-reduce keras_dist runs (Horovod, PyTorch); the others
-            refuse it. It pays on slow links only (docs/benchmarks.md).
+        gradient_compression: `None`, `"fp16"` or `"bf16"`, the dtype gradients travel
+            in, on the backends whose all-reduce keras_dist runs: Horovod (fp16) and
+            PyTorch (both; bf16 keeps float32's range); the others refuse it. It pays on
+            slow links only (docs/benchmarks.md).
         scale_learning_rate: multiply the optimizer's learning rate by the number of
             replicas (pair it with `keras_dist.callbacks.LearningRateWarmup`).
         **kwargs: passed to `model.compile`.
@@ -50,8 +51,8 @@ def compile(
         )
     if gradient_reduction not in ("mean", "sum"):
         raise KerasDistError(f"gradient_reduction must be 'mean' or 'sum', got {gradient_reduction!r}")
-    if gradient_compression not in (None, "fp16"):
-        raise KerasDistError(f"gradient_compression must be None or 'fp16', got {gradient_compression!r}")
+    if gradient_compression not in (None, "fp16", "bf16"):
+        raise KerasDistError(f"gradient_compression must be None, 'fp16' or 'bf16', got {gradient_compression!r}")
     strategy = runtime.current()
     overrides.restore(model)  # compiled before: start again from Keras's own methods
     strategy.prepare_model(model)

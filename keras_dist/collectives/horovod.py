@@ -10,6 +10,9 @@ import numpy as np
 from keras_dist.collectives import Collectives
 from keras_dist.collectives.torch_distributed import TorchTensors
 
+# Horovod 0.28 has no bfloat16 collectives: gradient_compression="bf16" is refused with this.
+NO_BFLOAT16 = "Horovod all-reduces no bfloat16; use gradient_compression='fp16' under horovodrun"
+
 
 class _Horovod:
     """Ranks as Horovod numbers them (`self._hvd`: its TensorFlow or torch front)."""

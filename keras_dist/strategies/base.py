@@ -38,8 +38,8 @@ class GradientOptions:
 
     Args:
         reduction: `"mean"` (default) or `"sum"`.
-        compression: `None` or `"fp16"` (halves the bytes on the wire; gradients are cast
-            back to their dtype after the reduction).
+        compression: `None`, `"fp16"` or `"bf16"` (halves the bytes on the wire;
+            gradients are cast back to their dtype after the reduction).
     """
 
     reduction: str = "mean"

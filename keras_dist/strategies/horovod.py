@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist.collectives.horovod import HorovodTensorFlow
+from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 from keras_dist.environments import MPIEnvironment, threads_per_process
@@ -139,6 +139,8 @@ class HorovodStrategy(Strategy):
 
         hvd = self._hvd
         op = hvd.Average if options.reduction == "mean" else hvd.Sum
+        if options.compression == "bf16":
+            raise KerasDistError(NO_BFLOAT16)
         compression = hvd.Compression.fp16 if options.compression == "fp16" else hvd.Compression.none
 
         def allreduce_gradients(grads):

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_dist import environments
-from keras_dist.collectives.horovod import HorovodTorch
+from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 # Gradients travel in flat buckets of about this size: few collectives, bounded copies.
 BUCKET_BYTES = 25 * 2**20
+# gradient_compression -> the torch dtype buckets travel in.
+WIRE_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): the last layers'
 # gradients go out while the backward pass goes on, even for a model under 25 MiB.
 FIRST_BUCKET_BYTES = 2**20
@@ -102,6 +104,8 @@ class TorchDistributedStrategy(Strategy):
         from keras_dist import optimizer_hooks
 
         torch = self._torch
+        if options.compression == "bf16" and isinstance(self.collectives, HorovodTorch):
+            raise KerasDistError(NO_BFLOAT16)
         if self.size == 1:
             return
         # Where the optimizer rescales or accumulates gradients first, the tensors it
@@ -144,7 +148,7 @@ class TorchDistributedStrategy(Strategy):
         torch = self._torch
         # One pass: the copy into the bucket is the cast to the wire's dtype.
         wire = torch.empty(sum(t.numel() for t in tensors), device=tensors[0].device,
-                           dtype=torch.float16 if options.compression == "fp16" else tensors[0].dtype)
+                           dtype=getattr(torch, WIRE_DTYPES.get(options.compression, ""), tensors[0].dtype))
         torch.cat([t.reshape(-1) for t in tensors], out=wire)
         return self.collectives.start_sum(wire, name), wire
 

@@ -21,7 +21,7 @@ parser.add_argument("--samples", type=int, default=64)
 parser.add_argument("--eval-samples", type=int, default=17)
 parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
 parser.add_argument("--adam", action="store_true")
-parser.add_argument("--fp16", action="store_true", help='gradient_compression="fp16"')
+parser.add_argument("--compression", choices=["fp16", "bf16"], help="keras_dist's gradient_compression")
 parser.add_argument("--dataset", action="store_true", help="fit on a tf.data pipeline (shuffle with a seed, map, batch)")
 parser.add_argument("--pydataset", action="store_true",
                     help="fit, validate, evaluate and predict on keras.utils.PyDataset batches")
@@ -83,7 +83,7 @@ if args.two_optimizers:
 else:
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
     keras_dist.compile(model, optimizer=optimizer(), loss="mse", metrics=["mae"],
-                       gradient_compression="fp16" if args.fp16 else None)
+                       gradient_compression=args.compression)
 
 
 class KillAtEpochEnd(keras.callbacks.Callback):
