@@ -176,6 +176,8 @@ def main():
             compute = BATCH[model] / plain["samples_per_s"]  # seconds per step on one core
             transfer = params[model] * 4 / link  # gradient bytes once each way per step
             limits[family(name)] = limit = 2 * BATCH[model] / max(compute, transfer)
+            if row is plain:  # one process: the reference, not a two-host figure
+                continue
             row["efficiency"] = row["samples_per_s"] / (2 * plain["samples_per_s"])
             row["of_limit"] = row["samples_per_s"] / limit
         summary["models"][model] = {"params": params[model], "overlap_limits": limits, "configs": rows}

@@ -3,6 +3,8 @@
     .venv/bin/python bench/run.py [--models jpeg_small,jpeg_cnn,input_only,cnn,mlp,emb]
                                   [--configs NAME,...] [--rounds 3] [--window 20] [--windows 2]
     .venv/bin/python bench/run.py --quick ...   # smoke test: 3 s windows, 1 round, 1 window
+    .venv/bin/python bench/run.py --hosts ...   # two simulated hosts on a rate-limited link (root):
+                                                # bench/hosts.py, which takes the options after --hosts
 
 Every configuration runs in this one invocation, on this machine, so the ratios compare
 like with like; absolute numbers move with machine load, ratios much less.
@@ -391,4 +393,6 @@ def main():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--hosts"]:  # the two-host mode has a script of its own
+        os.execv(PYTHON, [PYTHON, str(HERE / "hosts.py"), *sys.argv[2:]])
     main()
