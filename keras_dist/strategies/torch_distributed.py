@@ -147,8 +147,8 @@ class TorchDistributedStrategy(Strategy):
         """
         torch = self._torch
         # One pass: the copy into the bucket is the cast to the wire's dtype.
-        wire = torch.empty(sum(t.numel() for t in tensors), device=tensors[0].device,
-                           dtype=getattr(torch, WIRE_DTYPES.get(options.compression, ""), tensors[0].dtype))
+        dtype = getattr(torch, WIRE_DTYPES[options.compression]) if options.compression else tensors[0].dtype
+        wire = torch.empty(sum(t.numel() for t in tensors), device=tensors[0].device, dtype=dtype)
         torch.cat([t.reshape(-1) for t in tensors], out=wire)
         return self.collectives.start_sum(wire, name), wire
 
