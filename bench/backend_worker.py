@@ -5,9 +5,9 @@
 MODE:
   plain        Keras `fit` in one process
   keras_dist   the two-line change, on the backend the launcher implies (jax or torch)
-  handwritten  that framework's own data-parallel loop, without Keras's trainer: for JAX a jitted step
-               whose batch is sharded over every process's devices (XLA all-reduces the
-               gradients); for PyTorch a `torch.nn` model under DistributedDataParallel,
+  handwritten  that framework's own data-parallel loop, without Keras's trainer: for JAX
+               a jitted step whose batch is sharded over every process's devices (XLA
+               all-reduces the gradients); for PyTorch a `torch.nn` model under DistributedDataParallel,
                or under horovodrun Horovod's DistributedOptimizer
 
 MODEL: the bench's MLP (784-1024-1024-10, batch 128 per replica, 60 batches per process
