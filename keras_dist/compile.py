@@ -88,11 +88,11 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         factor: the multiplier.
     """
 
-    def __init__(self, schedule, factor):
+    def __init__(self, schedule: keras.optimizers.schedules.LearningRateSchedule, factor: float) -> None:
         self.schedule = schedule
         self.factor = factor
 
-    def __call__(self, step):
+    def __call__(self, step: Any) -> Any:
         return self.schedule(step) * self.factor
 
     def get_config(self) -> dict:

@@ -38,7 +38,7 @@ logger = logging.getLogger("keras_dist")
 class DistributedTraining:
     """The per-model state behind the wrapped methods."""
 
-    def __init__(self, model, strategy, gradient_options):
+    def __init__(self, model: keras.Model, strategy: "Strategy", gradient_options: "GradientOptions") -> None:
         self.model = model
         self.strategy = strategy
         self.gradient_options = gradient_options

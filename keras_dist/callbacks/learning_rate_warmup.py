@@ -27,7 +27,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, warmup_epochs=1.0, start_factor=None, verbose=0):
+    def __init__(self, warmup_epochs: float = 1.0, start_factor: float | None = None, verbose: int = 0) -> None:
         super().__init__()
         self.warmup_epochs = warmup_epochs
         self.start_factor = start_factor

@@ -26,7 +26,7 @@ class ReplicaCheck(keras.callbacks.Callback):
         strategy: the active keras_dist strategy, with more than one process.
     """
 
-    def __init__(self, strategy):
+    def __init__(self, strategy: "Strategy") -> None:
         super().__init__()
         self.strategy = strategy
 

@@ -46,7 +46,7 @@ class ScratchCallback(keras.callbacks.Callback):
 
     _PATH_ATTRIBUTES = ("filepath", "backup_dir", "log_dir", "filename")
 
-    def __init__(self, callback):
+    def __init__(self, callback: keras.callbacks.Callback) -> None:
         super().__init__()
         _remove_scratch_of_ended_processes()
         self.directory = tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}_")

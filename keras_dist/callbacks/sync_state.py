@@ -28,7 +28,7 @@ class SyncInitialState(keras.callbacks.Callback):
         strategy: the active keras_dist strategy.
     """
 
-    def __init__(self, strategy):
+    def __init__(self, strategy: "Strategy") -> None:
         super().__init__()
         self.strategy = strategy
 

@@ -33,7 +33,8 @@ class ShardedPyDataset(keras.utils.PyDataset):
             known length.
     """
 
-    def __init__(self, dataset, num_shards, index, pad, batch_multiplier=1, contiguous=False, equal_steps=True):
+    def __init__(self, dataset: keras.utils.PyDataset, num_shards: int, index: int, pad: bool, batch_multiplier: int = 1,
+                 contiguous: bool = False, equal_steps: bool = True) -> None:
         super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
                          max_queue_size=dataset.max_queue_size)
         self.dataset, self.pad, self.own = dataset, pad, batch_multiplier

@@ -173,7 +173,7 @@ class Pipeline:
     ops (zip, concatenate) count as sources: the split goes after them.
     """
 
-    def __init__(self, dataset):
+    def __init__(self, dataset: tf.data.Dataset) -> None:
         self.element_spec = dataset.element_spec
         self.graph = dataset_graph(dataset)
         self.nodes = {node.name: node for node in self.graph.node}

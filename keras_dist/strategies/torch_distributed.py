@@ -217,7 +217,8 @@ class OverlappedGradients:
         name: the prefix of its collectives' names, the same on every process.
     """
 
-    def __init__(self, strategy, variables, options, name):
+    def __init__(self, strategy: "TorchDistributedStrategy", variables: Sequence["keras.Variable"], options: GradientOptions,
+                 name: str) -> None:
         self.strategy, self.options, self.name = strategy, options, name
         self.params = [v.value for v in variables][::-1]
         self.buckets = []  # lists of indices into params

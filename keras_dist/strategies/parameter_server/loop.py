@@ -41,7 +41,9 @@ class CoordinatedSteps:
         stalled: set when a step did not finish in time.
     """
 
-    def __init__(self, model, strategy, coordinator, workers=("",), step_timeout=None, stalled=None):
+    def __init__(self, model: keras.Model, strategy: tf.distribute.ParameterServerStrategy,
+                 coordinator: tf.distribute.coordinator.ClusterCoordinator, workers: Sequence[str] = ("",),
+                 step_timeout: float | None = None, stalled: threading.Event | None = None) -> None:
         self.model = model
         self.step_timeout = step_timeout
         self.workers = workers

@@ -91,7 +91,7 @@ class ParameterServerStrategy(Strategy):
         ps_cluster(environ)  # its one-line errors first
         return TFConfigEnvironment.from_environ(environ)
 
-    def __init__(self, environment: TFConfigEnvironment, variable_partitioner=None, step_timeout: float | None = None):
+    def __init__(self, environment: TFConfigEnvironment, variable_partitioner: Any = None, step_timeout: float | None = None):
         super().__init__(environment)
         cluster, kind = environment.cluster, environment.task_type
         self.step_timeout = timeouts.chosen(step_timeout)
