@@ -44,8 +44,13 @@ hand-written Horovod loop shards itself: rank r reads files[r::size].
 Configurations for cnn and mlp (processes x intra-op threads; --threads, default 1):
   plain_1             Keras `model.fit`, 1 process
   keras_dist_1        `keras_dist.compile` + fit, 1 process (single backend)
+  handwritten_1       the hand-written Horovod loop in 1 process: what Keras's fit costs
   handwritten_2       hand-written Horovod Keras 3 loop, 2 processes
   keras_dist_2        keras_dist Horovod backend, 2 processes
+  handwritten_per_tensor_2  the hand-written loop with one Horovod all-reduce per gradient, as
+                      keras_dist_2 sends them
+  keras_dist_2_one_bucket   keras_dist_2 with one bucket for all gradients (KERAS_DIST_BUCKET_BYTES),
+                      as handwritten_2 sends them
   handwritten_mwms_2  hand-written MultiWorkerMirroredStrategy loop, 2 processes
   keras_dist_mwms_2   keras_dist multi_worker_mirrored backend, 2 processes
   keras_dist_ps_1     keras_dist parameter_server backend: chief + 1 worker + 1 ps
@@ -203,7 +208,10 @@ KINDS = {"cnn": "dense", "mlp": "dense", "emb": "emb", "jpeg_small": "tfdata", "
 CONFIGS = {
     "dense": [
         Config("plain_1", "plain"), Config("keras_dist_1", "keras_dist"),
+        Config("handwritten_1", "handwritten", 1, "horovod"),
         Config("handwritten_2", "handwritten", 2, "horovod"), Config("keras_dist_2", "keras_dist", 2, "horovod"),
+        Config("handwritten_per_tensor_2", "handwritten_per_tensor", 2, "horovod"),
+        Config("keras_dist_2_one_bucket", "keras_dist", 2, "horovod", env={"KERAS_DIST_BUCKET_BYTES": str(1 << 30)}),
         Config("handwritten_mwms_2", "handwritten_mwms", 2, "multi_worker_mirrored"),
         Config("keras_dist_mwms_2", "keras_dist", 2, "multi_worker_mirrored"),
         Config("keras_dist_ps_1", "keras_dist", 1, "parameter_server", 1),
@@ -239,6 +247,10 @@ RATIOS = {
         ("keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2", SPS, ">= 0.97"),
         ("cpu_keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2", CPU, "<= 1.03"),
         ("keras_dist_2_vs_plain_1", "keras_dist_2", "plain_1", SPS, None),
+        # Keras's own fit loop against the same hand-written step, in one process: the part
+        # of keras_dist_2_vs_handwritten_2 that is Keras's, not keras_dist's.
+        ("plain_1_vs_handwritten_1", "plain_1", "handwritten_1", SPS, None),
+        ("cpu_plain_1_vs_handwritten_1", "plain_1", "handwritten_1", CPU, None),
         ("keras_dist_mwms_2_vs_handwritten_mwms_2", "keras_dist_mwms_2", "handwritten_mwms_2", SPS, None),
         ("keras_dist_mwms_2_vs_keras_dist_horovod_2", "keras_dist_mwms_2", "keras_dist_2", SPS, None),
         ("keras_dist_ps_2_vs_ps_1", "keras_dist_ps_2", "keras_dist_ps_1", SPS, None),
