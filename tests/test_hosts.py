@@ -275,7 +275,7 @@ def test_a_frozen_or_cut_off_host_ends_the_job_in_bounded_time_naming_it(debian_
     bed.kill(bed.hosts[1])
 
 
-@pytest.mark.parametrize("strategy", ["multi_worker_mirrored"])
+@pytest.mark.parametrize("strategy", ["multi_worker_mirrored", "torch"])
 def test_keras_dist_launch_on_each_host_restarts_a_failed_job_which_ends_as_an_uninterrupted_run(debian_hosts,
                                                                                                  tmp_path, strategy):
     """`keras-dist launch --nnodes 2 --node-rank I --master-addr node0 --max-restarts 1`
