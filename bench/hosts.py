@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/hosts.py [--models cnn,mlp] [--rate 200mbit] [--configs NAME,...]
                                     [--rounds 2] [--window 20] [--windows 2] [--buckets 1,4,64]
-                                    [--env NAME=VALUE ...]
+                                    [--cycles 0.1,0.25] [--env NAME=VALUE ...]
 
 Needs root (tests/hostbed.py): two network namespaces, one core each, an sshd on each,
 and every link limited with `tc tbf` to --rate. Horovod configurations run under
@@ -18,6 +18,7 @@ Configurations (processes x 1 core):
   plain_1                  Keras `fit`, one process on the first host: the compute rate
   keras_dist_2             the two-line change on Horovod (bucketed, overlapped all-reduce)
   keras_dist_2_bN          the same with KERAS_DIST_BUCKET_BYTES = N MiB (--buckets; also torch_keras_dist_2_bN)
+  keras_dist_2_cT          the same with HOROVOD_CYCLE_TIME = T ms (--cycles; Horovod's default is 1)
   keras_dist_fp16_2        the same with gradient_compression="fp16"
   keras_dist_mwms_2        the two-line change on MultiWorkerMirrored (`keras-dist launch` on each host;
                            also keras_dist_mwms_2_bN: TensorFlow's CommunicationOptions.bytes_per_pack)
@@ -57,7 +58,7 @@ BATCH = {"cnn": 64, "mlp": 128}  # bench/worker.py's
 PORT = 29900
 
 
-def configs(buckets):
+def configs(buckets, cycles=()):
     found = {"plain_1": ("plain", None, {}), "keras_dist_2": ("keras_dist", "horovod", {}),
              "keras_dist_fp16_2": ("keras_dist", "horovod", {"BENCH_COMPRESSION": "fp16"}),
              "handwritten_2": ("handwritten", "horovod", {}),
@@ -68,6 +69,8 @@ def configs(buckets):
         size = {"KERAS_DIST_BUCKET_BYTES": str(int(mib * 2**20))}
         found[f"keras_dist_2_b{mib:g}"] = ("keras_dist", "horovod", size)
         found[f"keras_dist_mwms_2_b{mib:g}"] = ("keras_dist", "multi_worker_mirrored", size)
+    for ms in cycles:
+        found[f"keras_dist_2_c{ms:g}"] = ("keras_dist", "horovod", {"HOROVOD_CYCLE_TIME": f"{ms:g}"})
     for backend, reference in (("torch", "ddp"), ("jax", "sharded_jit")):
         env = {"KERAS_BACKEND": backend, "BENCH_THREADS": "1"}
         if backend == "torch":
@@ -143,13 +146,14 @@ def main():
     parser.add_argument("--rate", default="200mbit", help="tc tbf rate of every link")
     parser.add_argument("--configs", help="only these configurations (comma-separated)")
     parser.add_argument("--buckets", default="", help="bucket sizes in MiB to compare (keras_dist_2_bN)")
+    parser.add_argument("--cycles", default="", help="Horovod cycle times in ms to compare (keras_dist_2_cT)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--window", type=float, default=20.0)
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="set in every configuration's processes (repeat for several)")
     args = parser.parse_args()
-    chosen = configs([float(b) for b in args.buckets.split(",") if b])
+    chosen = configs([float(b) for b in args.buckets.split(",") if b], [float(c) for c in args.cycles.split(",") if c])
     if args.configs:
         chosen = {k: v for k, v in chosen.items() if k in args.configs.split(",")}
     models = args.models.split(",")
