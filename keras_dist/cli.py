@@ -51,8 +51,10 @@ INTERRUPTED = (130, 143)
 
 
 def _uses_directory(backend):
-    """Whether the backend's machines must learn each other's addresses (TF_CONFIG), not just the master's."""
-    return strategies.launcher_of(backend).startswith("tf_config")
+    """Whether the backend's machines must learn each other's addresses (TF_CONFIG, Horovod), not just the master's."""
+    from keras_dist.launchers import EXCHANGING
+
+    return strategies.launcher_of(backend) in EXCHANGING
 
 
 def _info(args):

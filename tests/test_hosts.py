@@ -275,13 +275,15 @@ def test_a_frozen_or_cut_off_host_ends_the_job_in_bounded_time_naming_it(debian_
     bed.kill(bed.hosts[1])
 
 
-@pytest.mark.parametrize("strategy", ["multi_worker_mirrored", "torch"])
+@pytest.mark.parametrize("strategy", ["multi_worker_mirrored", "torch", "horovod"])
 def test_keras_dist_launch_on_each_host_restarts_a_failed_job_which_ends_as_an_uninterrupted_run(debian_hosts,
                                                                                                  tmp_path, strategy):
     """`keras-dist launch --nnodes 2 --node-rank I --master-addr node0 --max-restarts 1`
     on each host; rank 1's process is killed after the chief's first backup. The job
     restarts, resumes from the chief's BackupAndRestore, and ends with the weights of
-    one process at twice the batch, uninterrupted."""
+    one process at twice the batch, uninterrupted; nothing it starts, the launchers'
+    own servers included (TF_CONFIG's directory, torchrun's store, Horovod's
+    rendezvous), listens beyond the cluster's addresses."""
     bed = debian_hosts
     options = ["--samples", 1024, "--epochs", 4, "--callbacks"]
     commands = [[BIN / "keras-dist", "launch", "--backend", strategy, "-n", 1, "--nnodes", 2, "--node-rank", i,
@@ -296,11 +298,13 @@ def test_keras_dist_launch_on_each_host_restarts_a_failed_job_which_ends_as_an_u
               and b"keras-dist" not in open(f"/proc/{pid}/cmdline", "rb").read()]
     assert victim
     os.kill(max(victim), signal.SIGKILL)  # the training process (torchrun's child, or the launcher's)
-    ended, _ = wait_for_the_end(bed, processes, timeout=240)
+    ended, listeners = wait_for_the_end(bed, processes, timeout=240)
     outputs = [bed.output(p) for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs[0][-3000:] + outputs[1][-3000:]
     assert all("restart 1 of 1" in output for output in outputs)
-    expected = reference(tmp_path, "tensorflow" if strategy == "multi_worker_mirrored" else "torch", *options)
+    assert_cluster_listeners_only(bed, listeners)  # the launchers' own servers too
+    assert any(address.endswith(bed.hosts[0].address) for _, address in listeners)  # the check saw them
+    expected = reference(tmp_path, "torch" if strategy == "torch" else "tensorflow", *options)
     for result in results(bed):
         resumed = len(result["history"]["loss"])  # the epochs of the last run
         assert resumed < 4

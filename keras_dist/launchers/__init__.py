@@ -22,6 +22,11 @@ REGISTRY = {
     "keras_distribution": "keras_dist.launchers.keras_distribution:KerasDistributionLauncher",
 }
 
+# Launchers whose machines learn each other's addresses through the master
+# (`Nodes.exchange`), a directory machine 0's `keras-dist launch` serves; the others need
+# the master's address only.
+EXCHANGING = frozenset({"horovod_gloo", "tf_config", "tf_config_with_ps"})
+
 
 def create(name: str) -> Launcher:
     """The launcher registered under `name`."""
@@ -31,4 +36,4 @@ def create(name: str) -> Launcher:
     return getattr(importlib.import_module(module), cls)()
 
 
-__all__ = ["REGISTRY", "Launcher", "Task", "create"]
+__all__ = ["EXCHANGING", "REGISTRY", "Launcher", "Task", "create"]
