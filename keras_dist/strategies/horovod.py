@@ -6,6 +6,7 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 
 
 import logging
+import math
 import os
 import socket
 import time
@@ -13,6 +14,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
+from keras_dist import timeouts
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 from keras_dist.environments import MPIEnvironment, threads_per_process
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     import keras
 
 logger = logging.getLogger("keras_dist")
+# Horovod's Gloo timeout in seconds, for every collective and its start.
+GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 
 
 def _import_horovod():
@@ -65,6 +69,11 @@ class HorovodStrategy(Strategy):
         local_size = cls.cluster_environment(environ).local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             environ["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
+        # The one step-timeout setting of every backend is, on Horovod, its Gloo timeout
+        # (read once, by hvd.init; 30 s by default), unless horovodrun's own was given.
+        step_timeout = timeouts.chosen(environ=environ)
+        if step_timeout is not None and GLOO_TIMEOUT not in environ:
+            environ[GLOO_TIMEOUT] = str(math.ceil(step_timeout))
 
     @classmethod
     def cluster_environment(cls, environ: Mapping[str, str]) -> MPIEnvironment:
@@ -111,9 +120,9 @@ class HorovodStrategy(Strategy):
             stopped = ", ".join(f"rank {r} on {host}" for r, host in zip(silent, hosts))
         except OSError:  # the store is horovodrun's, on the launching machine
             stopped = f"horovodrun's machine ({environment.store})"
-        timeout = os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30")
-        return (f"{stopped or 'a peer'} stopped answering within {timeout} s (horovodrun --gloo-timeout-seconds): "
-                "its machine froze, lost its network or ended")
+        timeout = os.environ.get(GLOO_TIMEOUT, "30")
+        return (f"{stopped or 'a peer'} stopped answering within {timeout} s ({timeouts.STEP_TIMEOUT_VAR}, or "
+                "horovodrun --gloo-timeout-seconds): its machine froze, lost its network or ended")
 
     def _pin_gpu(self):
         import tensorflow as tf
