@@ -240,13 +240,15 @@ def test_parameter_servers_across_hosts_end_with_the_chief_and_a_frozen_worker_h
     assert_cluster_listeners_only(bed, listeners)
 
 
-@pytest.mark.parametrize("strategy, loss", [("jax", "freeze"), ("torch", "freeze"), ("multi_worker_mirrored", "cut")])
+@pytest.mark.parametrize("strategy, loss", [("jax", "freeze"), ("torch", "freeze"), ("horovod", "freeze"),
+                                            ("multi_worker_mirrored", "cut")])
 def test_a_frozen_or_cut_off_host_ends_the_job_in_bounded_time_naming_it(debian_hosts, strategy, loss):
     """Every process of the second host is stopped (SIGSTOP), or its link cut, mid-training,
     under `keras-dist launch --nnodes 2`. With a step timeout of 10 s, the first host's
     process ends within it plus a few seconds, with a one-line error naming the rank and
-    host that stopped (JAX: before its own heartbeats abort the process; MultiWorkerMirrored:
-    after TensorFlow's heartbeat timeout, 10 s, and without its teardown, which waits)."""
+    host that stopped (JAX: before its own heartbeats abort the process; Horovod: the step
+    timeout is its Gloo timeout; MultiWorkerMirrored: after TensorFlow's heartbeat timeout,
+    10 s, and without its teardown, which waits)."""
     if strategy in ("jax", "torch"):
         pytest.importorskip(strategy)
     bed = debian_hosts
@@ -269,8 +271,8 @@ def test_a_frozen_or_cut_off_host_ends_the_job_in_bounded_time_naming_it(debian_
     # torch: 10 s, the peers' 3 s to note their failure, then torchrun's teardown.
     assert processes[0].returncode != 0 and ended[0] - frozen < 10 + 15, out[-3000:]
     errors = [line.split("KerasDistError: ", 1)[1] for line in out.splitlines() if "KerasDistError: " in line]
-    # TF_CONFIG names each task by its address.
-    host = bed.hosts[1].address if strategy == "multi_worker_mirrored" else "node1"
+    # TF_CONFIG, and Horovod under `keras-dist launch`, name each machine by its address.
+    host = bed.hosts[1].address if strategy in ("multi_worker_mirrored", "horovod") else "node1"
     assert errors and errors[0].startswith(f"rank 1 on {host}") and "stopped answering" in errors[0], out[-3000:]
     bed.kill(bed.hosts[1])
 
