@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
 from keras_dist import timeouts
+from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 from keras_dist.environments import MPIEnvironment, threads_per_process
