@@ -44,10 +44,11 @@ class HorovodGlooLauncher(Launcher):
             store.init(slots)
             threading.Thread(target=store.serve_forever, name="keras_dist-gloo-rendezvous", daemon=True).start()
         if nodes:
-            # Gloo's own sockets on the interface that holds the cluster address.
-            interface = network.interface_of(address)
+            # Gloo's own sockets on the user's interface, else the one that holds the cluster address.
+            interface = os.environ.get("HOROVOD_GLOO_IFACE") or network.interface_of(address)
             if interface is None:
-                raise KerasDistError(f"no interface holds {address}; set HOROVOD_GLOO_IFACE")
+                raise KerasDistError(f"no interface holds {address}; set HOROVOD_GLOO_IFACE to the interface "
+                                     "the other machines reach this one on")
             job = create_run_env_vars(machines[0]["host"], [interface], machines[0]["store"])
             job.update(binding_env(os.environ, address))
         else:
