@@ -44,7 +44,7 @@ def compile(
     model.fit(x, y, batch_size=32, epochs=3)
     ```
     """
-    if not isinstance(model, keras.Model):
+    if not _is_trainer(model):
         raise KerasDistError(
             f"keras_dist.compile expects a keras.Model as its first argument, got "
             f"{type(model).__name__}; call keras_dist.compile(model, optimizer=..., loss=...)"
@@ -56,7 +56,7 @@ def compile(
     strategy = runtime.current()
     overrides.restore(model)  # compiled before: start again from Keras's own methods
     strategy.prepare_model(model)
-    kwargs = {**strategy.compile_defaults(), **kwargs}
+    kwargs = strategy.compile_arguments(kwargs)
     with strategy.scope():
         model.compile(*args, **kwargs)
     options = GradientOptions(gradient_reduction, gradient_compression)
@@ -69,6 +69,13 @@ def compile(
                 _scale_learning_rate(optimizer, strategy.num_replicas)
         strategy.distribute_optimizer(optimizer, options)
     training.attach(model, strategy, options)
+
+
+def _is_trainer(model: Any) -> bool:
+    """A `keras.Model`, or a layer that mixes in Keras's `Trainer` as Keras's own tests do."""
+    from keras.src.trainers.trainer import Trainer  # no public name for the mixin
+
+    return isinstance(model, (keras.Model, Trainer))
 
 
 def _scale_learning_rate(optimizer, factor):

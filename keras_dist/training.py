@@ -50,6 +50,9 @@ class DistributedTraining:
         self.in_fit = False
         self.in_evaluate = False
         self.synced = False
+        # Whether this process evaluates on a stand-in for an empty share (`inputs.Inputs.stand_in`).
+        self.stand_in_evaluation = False
+        self.stand_in_validation = False
         # Whether the train function (traced once) sums metric states in every step.
         self.global_batch_logs = True
 
@@ -78,6 +81,7 @@ class DistributedTraining:
                                       arguments["validation_split"], arguments["validation_batch_size"],
                                       arguments["validation_steps"])
         _write(arguments, data, "steps_per_epoch")
+        self.stand_in_validation = validation is not None and validation.stand_in
         if validation is not None:
             arguments.update(validation_data=validation.as_validation_data(), validation_split=0.0)
             if arguments["validation_batch_size"] is not None:
@@ -93,12 +97,15 @@ class DistributedTraining:
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         local_steps = self.strategy.process_local_steps(self.model)
         if self.in_fit:  # validation inside fit: inputs already split
-            with self._flag("in_evaluate"), local_steps:
+            with self._flag("in_evaluate"), set_while(self, "stand_in_evaluation", self.stand_in_validation), \
+                    local_steps:
                 return self.keras_evaluate(*args, **kwargs)
         arguments = self._worker_args(self.keras_evaluate, args, kwargs)
-        _write(arguments, inputs.evaluate(self.strategy, _read(arguments, "steps")), "steps")
+        data = inputs.evaluate(self.strategy, _read(arguments, "steps"))
+        _write(arguments, data, "steps")
         self._sync_once()
-        with self._flag("in_evaluate"), self._quiet_end_of_open_ended_input(), local_steps:
+        with self._flag("in_evaluate"), set_while(self, "stand_in_evaluation", data.stand_in), \
+                self._quiet_end_of_open_ended_input(), local_steps:
             return self.strategy.run_loop("evaluate", self.model, self.keras_evaluate, arguments)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
@@ -149,6 +156,8 @@ class DistributedTraining:
         variables = [v for m in metrics for v in m.variables]
         if not variables:
             return self.keras_get_metrics_result()
+        if self.in_evaluate and self.stand_in_evaluation:
+            self.model.reset_metrics()  # the stand-in sample is not this process's to count
         return metric_results(metrics, self.strategy.global_metric_states(variables))
 
     def get_metrics_result_or_logs(self, logs: dict | None) -> dict[str, Any]:

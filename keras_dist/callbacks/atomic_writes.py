@@ -9,6 +9,7 @@ all. Only the callback instance is changed (its `_save_model` and `on_train_begi
 
 import logging
 import os
+import shutil
 
 import keras
 
@@ -75,6 +76,14 @@ def _atomic_backup(callback):
 
     def _save_model():
         finals = [getattr(callback, n) for n in names]
+        if getattr(callback, "double_checkpoint", False):  # Keras >= 3.9
+            # Keras copies the latest state to its `.bkp` names first; it would copy the
+            # partial names set below, which do not exist yet.
+            previous = (callback._prev_weights_path, callback._prev_training_metadata_path)
+            for final, backup in zip(finals, previous):
+                if os.path.exists(final):
+                    shutil.copyfile(final, _partial(backup))
+                    publish(_partial(backup), backup)
         for name, final in zip(names, finals):
             setattr(callback, name, _partial(final))
         try:

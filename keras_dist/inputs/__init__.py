@@ -47,6 +47,11 @@ class Inputs:
         x, y, sample_weight: as `fit` takes them (y and sample_weight only with arrays).
         batch_size: per process, once split (Keras's default where None).
         steps: the call's bound on steps (`steps_per_epoch`, `validation_steps`, `steps`).
+        samples: arrays split with padding for `predict`: the number of samples before the
+            split, which the gathered outputs are cut back to.
+        stand_in: this process's evaluation share is empty (fewer samples than
+            processes): one sample stands in, so that Keras's loop builds and runs as on
+            the others, and its metric states are not counted (`DistributedTraining`).
     """
 
     x: Any
@@ -54,6 +59,8 @@ class Inputs:
     sample_weight: Any = None
     batch_size: int | None = None
     steps: int | None = None
+    samples: int | None = None
+    stand_in: bool = False
 
     @classmethod
     def of_validation(cls, validation_data: Any, batch_size: int | None, steps: int | None) -> "Inputs":
@@ -90,7 +97,11 @@ def evaluate(strategy: "Strategy", data: Inputs) -> Inputs:
 
 
 def predict(strategy: "Strategy", data: Inputs) -> Inputs:
-    """This process's share of `predict`'s input (not padded; files never split, to keep the order)."""
+    """This process's share of `predict`'s input (files never split, to keep the order).
+
+    Arrays are padded to equal shards, so that no process runs Keras's loop on nothing
+    (fewer samples than processes) and steps end together; the gather drops the padding.
+    """
     return _split(strategy, data, pad=False, purpose="predict")
 
 
@@ -100,7 +111,7 @@ def gather_predictions(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
         return outputs
     if isinstance(data.x, ShardedPyDataset):  # consecutive batches: in rank order
         return tree.map_structure(lambda leaf: strategy.allgather_array(np.asarray(leaf)), outputs)
-    return arrays.gather_interleaved(strategy, outputs, strategy.input_plan.num_shards)
+    return arrays.gather_interleaved(strategy, outputs, strategy.input_plan.num_shards, data.samples)
 
 
 def distribute_dataset(dataset: "tf.data.Dataset", training: bool = True) -> "tf.data.Dataset":
@@ -145,12 +156,8 @@ def is_data_loader(data: Any) -> bool:
 
 def _hold_out(data: Inputs, fraction: float) -> tuple[Inputs, tuple]:
     """Keras's `validation_split`, taken before the split as one process would: the last fraction."""
-    parts = (data.x, data.y, data.sample_weight)
-    length = len(next(a for a in parts if a is not None))
-    cut = int(length * (1.0 - fraction))
-    kept = [None if a is None else a[:cut] for a in parts]
-    return dataclasses.replace(data, x=kept[0], y=kept[1], sample_weight=kept[2]), \
-        tuple(None if a is None else a[cut:] for a in parts)
+    kept, held = arrays.hold_out((data.x, data.y, data.sample_weight), fraction)
+    return dataclasses.replace(data, x=kept[0], y=kept[1], sample_weight=kept[2]), held
 
 
 def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
@@ -179,8 +186,14 @@ def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
             x = _split_data_loader(strategy, x, pad)
         return dataclasses.replace(data, x=strategy.take_input(x, False))
     elif x is not None and arrays.is_array_input(x):
-        split = arrays.shard_arrays({"x": x, "y": data.y, "sample_weight": data.sample_weight},
-                                    plan.num_shards, plan.shard_index, pad)
+        parts = {"x": x, "y": data.y, "sample_weight": data.sample_weight}
+        if purpose == "predict" and plan.num_shards > 1:
+            pad = True
+            data = dataclasses.replace(data, samples=arrays.num_samples(parts))
+        split = arrays.shard_arrays(parts, plan.num_shards, plan.shard_index, pad)
+        if plan.num_shards > 1 and not pad and not plan.collective_steps and arrays.num_samples(split) == 0:
+            split = arrays.take_rows(parts, np.zeros(1, dtype=int))
+            data = dataclasses.replace(data, stand_in=True)
         batch_size = None if data.batch_size is None else data.batch_size * plan.batch_multiplier
         data, equal_steps = dataclasses.replace(data, **split, batch_size=batch_size), pad
     elif plan.num_shards > 1:

@@ -1,8 +1,13 @@
-"""Arrays (NumPy, or anything with `__array__`): the interleaved split, and its inverse for outputs.
+"""Arrays: the interleaved split of any structure of arrays Keras takes, and its inverse for outputs.
 
 Element i goes to shard i mod N. With shuffling off, shard r at batch B then sees, at step
 k, exactly the elements of global batch k of one process at batch N*B, so N replicas at
 batch B compute the same updates as one process at N*B.
+
+"Arrays" are what Keras's array adapter slices (NumPy, `tf.Tensor` including sparse and
+ragged, JAX and torch tensors, pandas DataFrames and Series, scipy sparse matrices),
+alone or nested in lists, tuples and dicts. Every rule here maps over the whole structure
+(`keras.tree`) and slices each leaf with Keras's own slicing, so a leaf keeps its type.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -16,29 +21,67 @@ if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
 
 
+def _array_slicing():
+    # Keras's private module, where its array adapter and `validation_split` slice: using it
+    # keeps every leaf type Keras takes. Imported on use, as it pulls in the adapters.
+    from keras.src.trainers.data_adapters import array_slicing
+
+    return array_slicing
+
+
+def _leaves(data: Any) -> list:
+    return [a for a in tree.flatten(data) if a is not None]
+
+
 def is_array_input(data: Any) -> bool:
-    leaves = tree.flatten(data)
-    return bool(leaves) and all(hasattr(a, "__array__") for a in leaves)  # NumPy, tf.Tensor, jax.Array...
+    """Whether `data` is one array, or a structure of them, that Keras's array adapter slices."""
+    leaves = _leaves(data)
+    return bool(leaves) and all(_array_slicing().can_slice_array(a) for a in leaves)
+
+
+def num_samples(data: Any) -> int:
+    """The length of the first dimension shared by every leaf of `data`."""
+    lengths = {int(a.shape[0]) for a in _leaves(data)}
+    if len(lengths) != 1:
+        raise KerasDistError(f"x, y and sample_weight must have the same number of samples, got lengths "
+                             f"{sorted(lengths)}; check their first dimensions")
+    return lengths.pop()
+
+
+def take_rows(data: Any, rows: np.ndarray) -> Any:
+    """`data` with every leaf cut to `rows` of its first dimension (None leaves kept)."""
+    sliceables = _array_slicing().convert_to_sliceable(data)
+    return tree.map_structure(lambda s: None if s is None else s[rows], sliceables)
+
+
+def hold_out(data: Any, fraction: float) -> tuple[Any, Any]:
+    """Keras's `validation_split` of a structure `(x, y, sample_weight)`: (kept, the last `fraction`)."""
+    return _array_slicing().train_validation_split(data, validation_split=fraction)
+
+
+def shard_rows(length: int, num_shards: int, index: int, pad: bool) -> np.ndarray:
+    """The rows of shard `index`: `index`, `index + N`, ...; padded, every shard gets ceil(length / N)
+    rows, the missing ones taken again from the start."""
+    end = length + (-length) % num_shards if pad else length
+    return np.arange(index, end, num_shards) % max(length, 1)
 
 
 def shard_arrays(data: Any, num_shards: int, index: int, pad: bool) -> Any:
-    """Shard `index` of a nested structure of equally long arrays (None leaves kept)."""
-    leaves = [a for a in tree.flatten(data) if a is not None]
-    if not leaves:
+    """Shard `index` of a structure of equally long arrays (None leaves kept)."""
+    if not _leaves(data):
         return data
-    length = len(leaves[0])
-    if any(len(a) != length for a in leaves):
-        raise KerasDistError("x, y and sample_weight must have the same number of samples; check their first dimensions")
+    length = num_samples(data)
     if length == 0 and num_shards > 1:
         raise KerasDistError("x has no samples; pass a non-empty input")
-    if pad and length % num_shards:
-        order = np.arange(length + (-length) % num_shards) % length
-        return tree.map_structure(lambda a: None if a is None else np.asarray(a)[order[index::num_shards]], data)
-    return tree.map_structure(lambda a: None if a is None else a[index::num_shards], data)
+    return take_rows(data, shard_rows(length, num_shards, index, pad))
 
 
-def gather_interleaved(backend: "Strategy", local_outputs: Any, num_shards: int) -> Any:
-    """Inverse of the unpadded interleaved split: every process gets the full result."""
+def gather_interleaved(backend: "Strategy", local_outputs: Any, num_shards: int, length: int | None = None) -> Any:
+    """Inverse of the interleaved split: every process gets the whole result.
+
+    Shards may differ in length (unpadded). With `length`, the rows past it (the padding
+    of padded shards) are dropped.
+    """
 
     def gather(leaf):
         parts = backend.allgather_object(len(leaf))
@@ -48,6 +91,6 @@ def gather_interleaved(backend: "Strategy", local_outputs: Any, num_shards: int)
         for rank, count in enumerate(parts):
             out[rank::num_shards][:count] = stacked[start:start + count]
             start += count
-        return out
+        return out if length is None else out[:length]
 
     return tree.map_structure(gather, local_outputs)

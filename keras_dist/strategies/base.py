@@ -199,6 +199,10 @@ class Strategy(abc.ABC):
         """`model.compile` arguments this backend needs unless the user gave them."""
         return {}
 
+    def compile_arguments(self, kwargs: dict) -> dict:
+        """The keyword arguments `model.compile` gets: the script's, over `compile_defaults`."""
+        return {**self.compile_defaults(), **kwargs}
+
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
         """Returns the model to train (the same object unless variables had to move)."""
         return model

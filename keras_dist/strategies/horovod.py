@@ -96,6 +96,16 @@ class HorovodStrategy(Strategy):
         """Whether a failed collective can be told apart by peer: under horovodrun's Gloo, in its store."""
         return self.size > 1 and isinstance(self.environment, MPIEnvironment) and self.environment.store is not None
 
+    def compile_arguments(self, kwargs: dict) -> dict:
+        """`jit_compile=True` becomes False: Horovod's TensorFlow ops have no XLA kernel on CPUs, so
+        an XLA-compiled step fails deep in TensorFlow ("No registered 'HorovodGroupedAllreduce'")."""
+        kwargs = super().compile_arguments(kwargs)
+        if kwargs.get("jit_compile") is True:
+            logger.warning("keras_dist: Horovod's all-reduce cannot run inside XLA; the step is compiled "
+                           "with jit_compile=False")
+            kwargs["jit_compile"] = False
+        return kwargs
+
     def run_loop(self, method: str, model: "keras.Model", keras_method: Callable[..., Any], arguments: dict) -> Any:
         import tensorflow as tf
 

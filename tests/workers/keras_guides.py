@@ -177,6 +177,27 @@ def pattern_seeded_evaluate_unfitted():
     return summary(model, model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0), x, y, before=before)
 
 
+def pattern_seeded_structured_inputs():
+    """A two-input model fed a list of arrays, then a dict, with `validation_split` (keras.io's
+    multi-input examples); then `evaluate` and `predict` on fewer samples than processes, as a
+    script's last one-sample prediction."""
+    x, y = data(40)  # 32 to train, 8 held out: every process's share is whole batches
+    keras.utils.set_random_seed(7)
+    numbers, extra = keras.Input((4,), name="numbers"), keras.Input((2,), name="extra")
+    logits = keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()([numbers, extra])))
+    as_list, as_dict = [x[:, :4], x[:, 4:]], {"numbers": x[:, :4], "extra": x[:, 4:]}
+    by_list, by_dict = keras.Model([numbers, extra], logits), keras.Model({"numbers": numbers, "extra": extra}, logits)
+    for model in (by_list, by_dict):  # one set of layers, two ways in
+        compile(model, optimizer=keras.optimizers.SGD(0.1), loss=loss(), metrics=["accuracy"])
+    first = by_list.fit(as_list, y, batch_size=BATCH, epochs=2, validation_split=0.2, shuffle=False, verbose=0)
+    second = by_dict.fit(as_dict, y, batch_size=BATCH, epochs=1, validation_split=0.2, shuffle=False, verbose=0)
+    one = {k: v[:1] for k, v in as_dict.items()}
+    return {"weights": [np.array(w) for w in by_dict.get_weights()], "history": first.history,
+            "second": second.history, "evaluate_one": by_dict.evaluate(one, y[:1], verbose=0, return_dict=True),
+            "predict_one": by_dict.predict(one, verbose=0),
+            "predict_three": by_list.predict([a[:3] for a in as_list], batch_size=BATCH, verbose=0)}
+
+
 def loaders(x, y, shuffle, batch_size=None):
     """Torch DataLoaders of the arrays, as the training guide builds them (a TensorDataset)."""
     import torch
