@@ -40,19 +40,20 @@ case "${1:-}" in
     if [ $# -gt 0 ]; then
       exec .venv/bin/python -m pytest "$@"
     fi
-    # The whole suite: the multi-host tests (tests/test_hosts.py) run beside the rest. They
-    # mostly wait (for timeouts, on simulated hosts of one core each: 30% of the CPU when
-    # run alone), so side by side the suite ends about 3 minutes sooner on 2 cores.
+    # The whole suite: the multi-host tests (tests/test_hosts.py) run beside the rest, and
+    # Keras's own test files after them in the same pytest. The hosts tests mostly wait (for
+    # timeouts, on simulated hosts of one core each), so side by side the suite ends sooner.
+    beside="tests/test_hosts.py tests/test_keras_suites.py"
     hosts_log=$(mktemp)
-    .venv/bin/python -m pytest -p no:cacheprovider tests/test_hosts.py > "$hosts_log" 2>&1 &
+    .venv/bin/python -m pytest -p no:cacheprovider $beside > "$hosts_log" 2>&1 &
     hosts=$!
     # errexit applies inside the trap too: a kill of the already-ended pytest must not fail the run.
     trap 'kill "$hosts" 2>/dev/null || true; rm -f "$hosts_log"' EXIT
-    rest=0; .venv/bin/python -m pytest --ignore=tests/test_hosts.py || rest=$?
+    rest=0; .venv/bin/python -m pytest --ignore=tests/test_hosts.py --ignore=tests/test_keras_suites.py || rest=$?
     hosts_status=0; wait "$hosts" || hosts_status=$?
-    echo "=== tests/test_hosts.py (ran beside the rest) ==="
+    echo "=== $beside (ran beside the rest) ==="
     cat "$hosts_log"
-    [ "$rest" -eq 0 ] && [ "$hosts_status" -eq 0 ] || { echo "pytest exit statuses: rest $rest, tests/test_hosts.py $hosts_status" >&2; exit 1; }
+    [ "$rest" -eq 0 ] && [ "$hosts_status" -eq 0 ] || { echo "pytest exit statuses: rest $rest, $beside $hosts_status" >&2; exit 1; }
     ;;
   *)
     echo "usage: ./dev.sh train|test [args]" >&2

@@ -54,6 +54,12 @@ def take_rows(data: Any, rows: np.ndarray) -> Any:
     return tree.map_structure(lambda s: None if s is None else s[rows], sliceables)
 
 
+def for_tf_data(data: Any) -> Any:
+    """`data` as `tf.data.Dataset.from_tensor_slices` takes it, as Keras's adapter gives it: each
+    leaf a TensorFlow-compatible array, each list a tuple (a list would be one stacked tensor)."""
+    return tree.lists_to_tuples(_array_slicing().convert_to_sliceable(data, target_backend="tensorflow"))
+
+
 def hold_out(data: Any, fraction: float) -> tuple[Any, Any]:
     """Keras's `validation_split` of a structure `(x, y, sample_weight)`: (kept, the last `fraction`)."""
     return _array_slicing().train_validation_split(data, validation_split=fraction)

@@ -37,6 +37,7 @@ from tensorflow.python.framework import op_def_registry, tensor_util
 from tensorflow.python.ops import gen_experimental_dataset_ops
 
 from keras_dist.errors import KerasDistError
+from keras_dist.inputs import arrays
 
 if TYPE_CHECKING:
     from tensorflow.core.framework import node_def_pb2
@@ -370,8 +371,9 @@ def open_ended(inputs: tf.data.Dataset | Mapping[str, Any], batch_size: int | No
         batch_size: the batch size for arrays (Keras's default, 32, when None).
     """
     if not isinstance(inputs, tf.data.Dataset):
-        arrays = tuple(inputs[k] for k in ("x", "y", "sample_weight") if inputs.get(k) is not None)
-        inputs = tf.data.Dataset.from_tensor_slices(arrays if len(arrays) > 1 else arrays[0]).batch(batch_size or 32)
+        parts = tuple(inputs[k] for k in ("x", "y", "sample_weight") if inputs.get(k) is not None)
+        slices = arrays.for_tf_data(parts if len(parts) > 1 else parts[0])
+        inputs = tf.data.Dataset.from_tensor_slices(slices).batch(batch_size or 32)
     # Keras then iterates until the distributed iterator ends, which it does on every
     # worker together; a known length would stop workers with shorter shards early.
     return inputs.filter(lambda *_: True)
