@@ -11,7 +11,8 @@ only the module of a kind imports its framework:
 * `tf.data.Dataset`: `keras_dist.inputs.tf_data` (rewrites the pipeline so each process
   reads and preprocesses only its share);
 * `keras.utils.PyDataset`: `keras_dist.inputs.py_dataset`;
-* torch `DataLoader`: `keras_dist.inputs.data_loader` (as `DistributedSampler` splits).
+* torch `DataLoader`: `keras_dist.inputs.data_loader` (as `DistributedSampler` splits);
+* Python generators: `keras_dist.inputs.generators` (every N-th batch of the stream).
 
 A strategy says how its process reads (`Strategy.input_plan`) and sees every shard once,
 through `Strategy.take_input`, before Keras does.
@@ -20,6 +21,7 @@ through `Strategy.take_input`, before Keras does.
 import dataclasses
 import os
 import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -28,6 +30,7 @@ from keras import tree
 
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs import arrays
+from keras_dist.inputs.generators import GeneratorShare, reassemble
 from keras_dist.inputs.py_dataset import ShardedPyDataset
 
 if TYPE_CHECKING:
@@ -52,6 +55,8 @@ class Inputs:
         stand_in: this process's evaluation share is empty (fewer samples than
             processes): one sample stands in, so that Keras's loop builds and runs as on
             the others, and its metric states are not counted (`DistributedTraining`).
+        generator_share: a generator split for `predict`, whose batch sizes put the
+            gathered outputs back in order.
     """
 
     x: Any
@@ -61,6 +66,7 @@ class Inputs:
     steps: int | None = None
     samples: int | None = None
     stand_in: bool = False
+    generator_share: GeneratorShare | None = None
 
     @classmethod
     def of_validation(cls, validation_data: Any, batch_size: int | None, steps: int | None) -> "Inputs":
@@ -109,6 +115,9 @@ def gather_predictions(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
     """Every process's `predict` outputs for the split `data`, in the script's input order."""
     if strategy.input_plan.num_shards == 1:
         return outputs
+    if data.generator_share is not None:
+        sizes = data.generator_share.batch_sizes
+        return tree.map_structure(lambda leaf: reassemble(arrays.allgather_parts(strategy, leaf), sizes), outputs)
     if isinstance(data.x, ShardedPyDataset):  # consecutive batches: in rank order
         return tree.map_structure(lambda leaf: strategy.allgather_array(np.asarray(leaf)), outputs)
     return arrays.gather_interleaved(strategy, outputs, strategy.input_plan.num_shards, data.samples)
@@ -196,6 +205,10 @@ def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
             data = dataclasses.replace(data, stand_in=True)
         batch_size = None if data.batch_size is None else data.batch_size * plan.batch_multiplier
         data, equal_steps = dataclasses.replace(data, **split, batch_size=batch_size), pad
+    elif isinstance(x, types.GeneratorType):
+        if plan.num_shards > 1:
+            data = _split_generator(strategy, data, pad or purpose == "predict", purpose)
+        return dataclasses.replace(data, x=strategy.take_input(data.x, False))
     elif plan.num_shards > 1:
         raise KerasDistError(
             f"keras_dist cannot split a {type(x).__name__} across {plan.num_shards} processes; "
@@ -210,6 +223,17 @@ def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
         source = data.x if is_tf_dataset(data.x) else {"x": data.x, "y": data.y, "sample_weight": data.sample_weight}
         data = Inputs(tf_data.open_ended(source, data.batch_size), steps=data.steps)
     return dataclasses.replace(data, x=strategy.take_input(data.x, equal_steps))
+
+
+def _split_generator(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
+    plan = strategy.input_plan
+    if plan.collective_steps or plan.batch_multiplier > 1:
+        raise KerasDistError(f"backend {strategy.name!r} cannot split a Python generator (each process "
+                             "would feed several replicas or steps are collectives); pass NumPy arrays, "
+                             "a tf.data.Dataset or a keras.utils.PyDataset")
+    share = GeneratorShare(data.x, plan.num_shards, plan.shard_index, pad)
+    return dataclasses.replace(data, x=share.batches(), stand_in=share.stand_in,
+                               generator_share=share if purpose == "predict" else None)
 
 
 def _split_data_loader(strategy, loader, pad: bool):

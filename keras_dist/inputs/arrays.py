@@ -82,6 +82,13 @@ def shard_arrays(data: Any, num_shards: int, index: int, pad: bool) -> Any:
     return take_rows(data, shard_rows(length, num_shards, index, pad))
 
 
+def allgather_parts(backend: "Strategy", leaf: Any) -> list[np.ndarray]:
+    """Every process's `leaf` (first dimensions may differ), in rank order."""
+    counts = backend.allgather_object(len(leaf))
+    stacked = backend.allgather_array(np.asarray(leaf))
+    return np.split(stacked, np.cumsum(counts)[:-1])
+
+
 def gather_interleaved(backend: "Strategy", local_outputs: Any, num_shards: int, length: int | None = None) -> Any:
     """Inverse of the interleaved split: every process gets the whole result.
 
@@ -90,13 +97,10 @@ def gather_interleaved(backend: "Strategy", local_outputs: Any, num_shards: int,
     """
 
     def gather(leaf):
-        parts = backend.allgather_object(len(leaf))
-        stacked = backend.allgather_array(np.asarray(leaf))
-        out = np.empty((sum(parts),) + stacked.shape[1:], dtype=stacked.dtype)
-        start = 0
-        for rank, count in enumerate(parts):
-            out[rank::num_shards][:count] = stacked[start:start + count]
-            start += count
+        parts = allgather_parts(backend, leaf)
+        out = np.empty((sum(len(p) for p in parts),) + parts[0].shape[1:], dtype=parts[0].dtype)
+        for rank, part in enumerate(parts):
+            out[rank::num_shards][:len(part)] = part
         return out if length is None else out[:length]
 
     return tree.map_structure(gather, local_outputs)

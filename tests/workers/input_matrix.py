@@ -5,7 +5,8 @@ would make it (a simulated rank: the real input plan, and no collectives to call
 Each sample's features hold its id, so the checks are exact: training shards are equally
 long and cover every training sample, evaluation shards count each sample once, predict
 shards put back in interleaved order give the input's rows in order, and every leaf keeps
-its type. For one size per structure, Keras itself then runs `fit`, `evaluate` and
+its type; Python generators of batches are split and checked the same way. For one size
+per structure, Keras itself then runs `fit`, `evaluate` and
 `predict` on every rank's share. Prints one JSON line: {"cases": n, "failures": [...]}.
 """
 
@@ -21,6 +22,7 @@ from keras import tree
 
 from keras_dist import inputs
 from keras_dist.errors import KerasDistError
+from keras_dist.inputs.generators import reassemble
 from keras_dist.strategies.base import InputPlan
 
 BACKEND = keras.backend.backend()
@@ -186,6 +188,49 @@ def check(purpose, structure, length, num_shards):
     return failures
 
 
+def batches_of(count):
+    """A generator of `count` (x, y) batches of 1 to 3 rows, the rows numbered in order."""
+    start = 0
+    for i in range(count):
+        rows = ids(start + i % 3 + 1)[start:]
+        yield rows, rows[:, :1]
+        start += len(rows)
+
+
+def check_generator(purpose, count, num_shards):
+    """The failures of one generator case: each rank's batches, as Keras would read them."""
+    total = sum(i % 3 + 1 for i in range(count))
+    ranks = []
+    for rank in range(num_shards):
+        data = inputs.Inputs(batches_of(count))
+        if purpose == "fit_validation_data":
+            data, _ = inputs.fit(SimulatedRank(num_shards, rank), data, validation_data=batches_of(count))
+        else:
+            data = getattr(inputs, purpose)(SimulatedRank(num_shards, rank), data)
+        ranks.append((data, [row_ids(x) for x, _ in data.x]))
+    if count == 0:
+        return [] if all(not batches for _, batches in ranks) else ["batches out of nothing"]
+    failures = []
+    if purpose == "fit_validation_data":
+        if len({len(batches) for _, batches in ranks}) != 1:
+            failures.append(f"train shards differ in steps: {[len(b) for _, b in ranks]}")
+        if sorted({i for _, batches in ranks for b in batches for i in b}) != list(range(total)):
+            failures.append("train shards do not cover every row")
+    elif purpose == "evaluate":
+        counted = sorted(i for data, batches in ranks if not data.stand_in for b in batches for i in b)
+        if counted != list(range(total)):
+            failures.append(f"evaluate counts {counted}, not each row once")
+        if any(not batches for _, batches in ranks):
+            failures.append("an empty share reaches Keras")
+    else:
+        per_shard = [np.array(sum(batches, []), dtype="float32") for _, batches in ranks]
+        sizes = ranks[0][0].generator_share.batch_sizes if num_shards > 1 else [len(per_shard[0])]
+        order = reassemble(per_shard, sizes).tolist()
+        if order != list(range(total)):
+            failures.append(f"predict reassembles rows {order}, not 0..{total - 1}")
+    return failures
+
+
 def make_model(x, y):
     outputs = tree.map_structure(lambda _: None, y)  # a plain structure, out of Keras's tracking
 
@@ -239,6 +284,12 @@ def main():
                                  for f in check(purpose, structure, length, num_shards)]
             cases += 1
             failures += [f"{structure} {purpose} n=7 N=2 (Keras): {f}" for f in run_keras(purpose, structure, 7, 2)]
+    for purpose in ("fit_validation_data", "evaluate", "predict"):
+        for num_shards in PROCESSES:
+            for count in range(8):
+                cases += 1
+                failures += [f"generator {purpose} {count} batches N={num_shards}: {f}"
+                             for f in check_generator(purpose, count, num_shards)]
     print(json.dumps({"backend": BACKEND, "cases": cases, "failures": failures}))
 
 

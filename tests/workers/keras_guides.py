@@ -198,6 +198,27 @@ def pattern_seeded_structured_inputs():
             "predict_three": by_list.predict([a[:3] for a in as_list], batch_size=BATCH, verbose=0)}
 
 
+def batches(x, y=None, batch_size=None):
+    """A Python generator of consecutive batches, as scripts write them for `fit`."""
+    batch_size = batch_size or BATCH
+    for start in range(0, len(x), batch_size):
+        yield (x[start:start + batch_size],) if y is None else (x[start:start + batch_size], y[start:start + batch_size])
+
+
+def pattern_seeded_generator():
+    """`fit`, `evaluate` and `predict` fed Python generators: training and validation of whole
+    global batches, one batch to evaluate (fewer than processes), and a prediction in
+    batches of 5 whose last is short."""
+    x, y = data(48)
+    keras.utils.set_random_seed(7)
+    model = mlp()
+    compile(model, optimizer=keras.optimizers.SGD(0.1), loss=loss(), metrics=["accuracy"])
+    history = model.fit(batches(x[:32], y[:32]), validation_data=batches(x[32:], y[32:]), epochs=1, verbose=0)
+    return {"weights": [np.array(w) for w in model.get_weights()], "history": history.history,
+            "evaluate_one": model.evaluate(batches(x[:5], y[:5]), verbose=0, return_dict=True),
+            "predict": model.predict(batches(x[:23], batch_size=5), verbose=0)}
+
+
 def loaders(x, y, shuffle, batch_size=None):
     """Torch DataLoaders of the arrays, as the training guide builds them (a TensorDataset)."""
     import torch
