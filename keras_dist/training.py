@@ -115,6 +115,8 @@ class DistributedTraining:
         self._sync_once()
         with self._quiet_end_of_open_ended_input(), self.strategy.process_local_steps(self.model):
             outputs = self.strategy.run_loop("predict", self.model, self.keras_predict, arguments)
+        if data.stand_in:  # outputs of a stand-in for an empty share are not this process's
+            outputs = keras.tree.map_structure(lambda leaf: leaf[:0], outputs)
         return inputs.gather_predictions(self.strategy, data, outputs)
 
     def _distribute_new_optimizers(self):

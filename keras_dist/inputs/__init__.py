@@ -180,19 +180,25 @@ def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
             caller = "fit" if purpose == "validation" else purpose
             raise KerasDistError(f"the dataset is infinite (it repeats); pass {_STEPS[purpose]} to {caller}")
         # With a step count the epoch ends there; without, shards are padded to equal steps.
+        source = x
         x, equal_steps = tf_data.shard_dataset(x, plan.num_shards, plan.shard_index, pad and data.steps is None,
                                                plan.batch_multiplier, files=purpose != "predict",
                                                allgather=strategy.allgather_object)
+        if plan.num_shards > 1 and not pad and not plan.collective_steps and tf_data.is_empty(x):
+            x = source.take(1)  # the first batch stands in for an empty share
+            data = dataclasses.replace(data, stand_in=True)
         data = dataclasses.replace(data, x=x)
     elif isinstance(x, keras.utils.PyDataset):
         if plan.num_shards > 1 or plan.batch_multiplier > 1:
             # Collective steps end together through `equal_steps`, so no open-ended input.
             x = ShardedPyDataset(x, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier,
                                  contiguous=purpose == "predict", equal_steps=pad or plan.collective_steps)
+            data = dataclasses.replace(data, stand_in=x.stand_in)
         return dataclasses.replace(data, x=strategy.take_input(x, False))
     elif is_data_loader(x):
         if plan.num_shards > 1 or plan.batch_multiplier > 1:
             x = _split_data_loader(strategy, x, pad)
+            data = dataclasses.replace(data, stand_in=getattr(x.sampler, "stand_in", False))  # a DistributedSampler: none
         return dataclasses.replace(data, x=strategy.take_input(x, False))
     elif x is not None and arrays.is_array_input(x):
         parts = {"x": x, "y": data.y, "sample_weight": data.sample_weight}

@@ -26,11 +26,15 @@ class InterleavedSampler(data.Sampler):
         seed: the seed of every epoch's permutation, the same on every process; None:
             the dataset's order.
         pad: repeat samples from the start so every shard has the same length.
+
+    Unpadded, a shard with no sample of its own (fewer samples than shards) gives the
+    first sample as a stand-in (`stand_in`), which keras_dist does not count.
     """
 
     def __init__(self, length: int, num_shards: int, index: int, seed: int | None, pad: bool):
         super().__init__()
         self.length, self.num_shards, self.index, self.seed, self.pad = length, num_shards, index, seed, pad
+        self.stand_in = not pad and 0 < length <= index
         self.epoch = 0  # every process iterates its loader as often as the others
 
     def __iter__(self):
@@ -41,11 +45,15 @@ class InterleavedSampler(data.Sampler):
             generator.manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=generator).tolist()
         self.epoch += 1
+        if self.stand_in:
+            return iter(order[:1])
         if self.pad:
             order += order[:(-self.length) % self.num_shards]
         return iter(order[self.index::self.num_shards])
 
     def __len__(self) -> int:
+        if self.stand_in:
+            return 1
         if self.pad:
             return -(-self.length // self.num_shards)
         return len(range(self.index, self.length, self.num_shards))

@@ -16,8 +16,9 @@ class ShardedPyDataset(keras.utils.PyDataset):
     With `equal_steps` every shard has the same number of steps: a training shard that
     runs short takes batches from the start again (fewer than U in all); otherwise it
     gets empty batches (where steps are collective, the strategy's step skips them).
-    Without, a shard ends after its last batch of its own: an empty batch would put NaN
-    in Keras's loss tracker (0/0) on every backend. With `contiguous` (prediction), shard
+    Without, a shard ends after its last batch of its own; a shard with none at all gets
+    the first batch as a stand-in (`stand_in`, not counted: an empty batch would put NaN
+    in Keras's loss tracker, 0/0, on every backend). With `contiguous` (prediction), shard
     r takes the r-th run of consecutive batches instead, so that outputs concatenated in
     rank order are in input order.
 
@@ -44,6 +45,7 @@ class ShardedPyDataset(keras.utils.PyDataset):
             raise KerasDistError("a PyDataset without a length cannot be split for predict; give it __len__")
         self.per_step = batch_multiplier if contiguous else num_shards * batch_multiplier
         self.first = index * batch_multiplier * (steps if contiguous else 1)
+        self.stand_in = not equal_steps and total is not None and 0 < total <= self.first
         if not equal_steps and total is not None:
             # This shard's own steps; at least one, as Keras cannot evaluate an empty PyDataset.
             steps = max(1, min(steps, -(-(total - self.first) // self.per_step)))
@@ -56,7 +58,9 @@ class ShardedPyDataset(keras.utils.PyDataset):
     def __getitem__(self, step):
         total = self.dataset.num_batches
         wanted = [step * self.per_step + self.first + j for j in range(self.own)]
-        if total is not None:
+        if self.stand_in:
+            wanted = [0]
+        elif total is not None:
             wanted = [i % total for i in wanted] if self.pad else [i for i in wanted if i < total]
         parts = [self.dataset[i] for i in wanted] or [tree.map_structure(lambda a: a[:0], self.dataset[0])]
         if len(parts) == 1:

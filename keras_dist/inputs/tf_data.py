@@ -107,6 +107,14 @@ def _shard_after_pipeline(dataset, num_shards, index, pad):
     return elements.shard(num_shards, index).batch(own_batch, drop_remainder=drop_remainder)
 
 
+def is_empty(dataset: tf.data.Dataset) -> bool:
+    """Whether `dataset` gives nothing: from its cardinality, else by reading one element."""
+    length = int(dataset.cardinality())
+    if length == tf.data.UNKNOWN_CARDINALITY:
+        return not any(True for _ in dataset.take(1))
+    return length == 0
+
+
 def is_infinite(dataset: tf.data.Dataset) -> tf.Tensor:  # a scalar boolean tensor, which `if` reads eagerly
     return dataset.cardinality() == tf.data.INFINITE_CARDINALITY
 

@@ -219,6 +219,56 @@ def pattern_seeded_generator():
             "predict": model.predict(batches(x[:23], batch_size=5), verbose=0)}
 
 
+class Rows(keras.utils.PyDataset):
+    """A PyDataset serving consecutive batches of arrays by index."""
+
+    def __init__(self, *arrays, batch_size):
+        super().__init__()
+        self.arrays, self.batch_size = arrays, batch_size
+
+    def __len__(self):
+        return -(-len(self.arrays[0]) // self.batch_size)
+
+    def __getitem__(self, index):
+        return tuple(a[index * self.batch_size:(index + 1) * self.batch_size] for a in self.arrays)
+
+
+def few_samples_input(kind, x, y=None):
+    """`x` (and `y`) as input of `kind`, in batches of 4."""
+    arrays = (x,) if y is None else (x, y)
+    if kind == "arrays":
+        return arrays
+    if kind == "py_dataset":
+        return (Rows(*arrays, batch_size=4),)
+    if kind == "generator":
+        return (batches(*arrays, batch_size=4),)
+    if kind == "tf_data":
+        import tensorflow as tf
+
+        return (tf.data.Dataset.from_tensor_slices(arrays).batch(4),)
+    import torch
+
+    return (torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*map(torch.from_numpy, arrays)), batch_size=4),)
+
+
+def pattern_seeded_fewer_samples_than_processes():
+    """`evaluate` and `predict` on 1 and 3 samples (fewer than processes, and not a multiple of
+    them) given as arrays, a PyDataset, a generator, a tf.data.Dataset and a DataLoader."""
+    x, y = data(5)
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    compile(model, optimizer="sgd", loss=loss(), metrics=["accuracy"])
+    kinds = ["arrays", "py_dataset", "generator", "tf_data", "torch"]
+    if BACKEND == "tensorflow" and "TF_CONFIG" in os.environ:  # MultiWorkerMirrored: collective steps
+        kinds = ["arrays", "py_dataset", "tf_data"]
+    out = {}
+    for kind in kinds:
+        for count in (1, 3):
+            out[f"{kind}_evaluate_{count}"] = model.evaluate(*few_samples_input(kind, x[:count], y[:count]), verbose=0)
+            out[f"{kind}_predict_{count}"] = model.predict(*few_samples_input(kind, x[:count]), verbose=0)
+    return out
+
+
 def loaders(x, y, shuffle, batch_size=None):
     """Torch DataLoaders of the arrays, as the training guide builds them (a TensorDataset)."""
     import torch
