@@ -73,12 +73,12 @@ def horovodrun(num_ranks, argv, timeout, env=None):
 
 def configuration_command(configuration, argv):
     """The command running the Python script `argv` under a pattern test's configuration:
-    "plain_1" or "keras_dist_1" (one process), "launch_2" (`keras-dist launch -n 2`),
+    "plain_1" or "keras_dist_1" (one process), "launch_2" or "launch_3" (`keras-dist launch -n N`),
     "torchrun_2", "horovod_2", "mwms_2" (MultiWorkerMirrored) or "ps_2" (2 workers, 1 ps)."""
     if configuration.endswith("_1"):
         return [PYTHON, *argv]
-    if configuration == "launch_2":
-        return [BIN / "keras-dist", "launch", "-n", 2, *argv]
+    if configuration in ("launch_2", "launch_3"):
+        return [BIN / "keras-dist", "launch", "-n", int(configuration[-1]), *argv]
     if configuration == "torchrun_2":
         return [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, *argv]
     if configuration == "horovod_2":

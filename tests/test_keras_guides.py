@@ -39,7 +39,7 @@ def run_patterns(configurations, keras_backend, directory, patterns, timeout=400
     results = {}
     for name, (code, output) in zip(configurations, outputs):
         assert code == 0, f"{name}:\n{output[-5000:]}"
-        ranks = 1 if name.endswith("_1") else 2
+        ranks = int(name.rsplit("_", 1)[1])
         results[name] = {pattern: load_results(directories[name], pattern, ranks) for pattern in patterns}
     return results
 
@@ -150,3 +150,12 @@ def test_the_fit_start_broadcast_reports_ranks_whose_weights_differed(tmp_path):
     shared, apart = output.split("fitting apart", 1)
     assert "differed from the chief's" not in shared, shared[-2000:]
     assert "rank(s) [1] differed from the chief's" in apart, apart[-2000:]
+
+
+def test_three_processes_evaluate_and_predict_fewer_samples_than_processes_as_one(tmp_path):
+    """1 and 3 samples on 3 processes: two ranks, then none, have a share of their own."""
+    pytest.importorskip("torch")
+    pattern = "seeded_fewer_samples_than_processes"
+    runs = run_patterns(["plain_1", "launch_3"], "jax", tmp_path, [pattern])
+    for rank in range(3):
+        assert_close(runs["launch_3"][pattern][rank], runs["plain_1"][pattern][0], f"launch_3 rank {rank}")
