@@ -66,6 +66,10 @@ def as_leaf(kind, column):
         import tensorflow as tf
 
         return tf.constant(column)
+    if kind == "tf_sparse":
+        import tensorflow as tf
+
+        return tf.sparse.from_dense(column)
     if kind == "jax":
         import jax.numpy as jnp
 
@@ -93,6 +97,8 @@ STRUCTURES = {
 }
 if BACKEND == "torch":  # Keras reads scipy sparse matrices on TensorFlow and JAX only
     del STRUCTURES["scipy_sparse"]
+if BACKEND == "tensorflow":
+    STRUCTURES["tf_sparse"] = lambda n: ({"a": as_leaf("tf_sparse", ids(n)), "b": ids(n)}, ids(n, 1), None)
 
 
 def row_ids(data):
@@ -100,6 +106,10 @@ def row_ids(data):
     leaf = next(a for a in tree.flatten(data) if a is not None)
     if scipy.sparse.issparse(leaf):
         leaf = leaf.toarray()
+    elif type(leaf).__name__ == "SparseTensor":
+        import tensorflow as tf
+
+        leaf = tf.sparse.to_dense(leaf)
     values = np.asarray(leaf.to_numpy() if hasattr(leaf, "to_numpy") else keras.ops.convert_to_numpy(leaf))
     return [int(v) for v in values.reshape(len(values), -1)[:, 0]] if len(values) else []
 
