@@ -52,9 +52,10 @@ class Inputs:
         steps: the call's bound on steps (`steps_per_epoch`, `validation_steps`, `steps`).
         samples: arrays split with padding for `predict`: the number of samples before the
             split, which the gathered outputs are cut back to.
-        stand_in: this process's evaluation share is empty (fewer samples than
-            processes): one sample stands in, so that Keras's loop builds and runs as on
-            the others, and its metric states are not counted (`DistributedTraining`).
+        stand_in: this process's unpadded share is empty (fewer samples than
+            processes): one sample or batch stands in, so that Keras's loop builds and runs
+            as on the others; its metric states are not counted and its predictions are
+            dropped (`DistributedTraining`).
         generator_share: a generator split for `predict`, whose batch sizes put the
             gathered outputs back in order.
     """
@@ -107,6 +108,7 @@ def predict(strategy: "Strategy", data: Inputs) -> Inputs:
 
     Arrays are padded to equal shards, so that no process runs Keras's loop on nothing
     (fewer samples than processes) and steps end together; the gather drops the padding.
+    Other kinds give an empty share a stand-in batch (`Inputs.stand_in`).
     """
     return _split(strategy, data, pad=False, purpose="predict")
 
