@@ -12,7 +12,6 @@ variable for it (`keras_dist.strategies.jax_data_parallel._gloo_advertises`). Th
 where a multi-machine job's servers listen (`keras_dist.tf_cluster`).
 """
 
-import fcntl
 import ipaddress
 import logging
 import socket
@@ -139,7 +138,14 @@ def choose_interface(environ: MutableMapping[str, str], coordinator: str | None)
 
 
 def _address_of(interface: str) -> str | None:
-    """The IPv4 address of `interface` (None: it has none, or does not exist)."""
+    """The IPv4 address of `interface` (None: it has none, does not exist, or this OS has no
+    `fcntl`, as on Windows, where keras_dist must import all the same)."""
+    try:
+        import fcntl
+    except ImportError:
+        logger.warning("keras_dist: this OS cannot read the address of interface %s (no fcntl); "
+                       "the job's address is left to each engine", interface)
+        return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             request = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", interface[:15].encode()))

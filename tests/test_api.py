@@ -194,3 +194,33 @@ def test_every_optimizer_a_model_holds_is_found():
     model.pair = [keras.optimizers.SGD(), model.g_optimizer]
     found = optimizers_of(model)
     assert [type(o).__name__ for o in found] == ["SGD", "Adam", "SGD"]
+
+
+# As on Windows: the POSIX-only modules cannot be imported.
+WITHOUT_POSIX_MODULES = """
+import sys
+for name in ("fcntl", "resource", "termios"):
+    sys.modules[name] = None
+"""
+TRAIN_TWO_LINE_SCRIPT = WITHOUT_POSIX_MODULES + """
+import numpy as np, keras
+import keras_dist
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+keras_dist.compile(model, optimizer="sgd", loss="mse")
+model.fit(np.ones((8, 3)), np.ones((8, 1)), verbose=0)
+print("trained on", keras_dist.current().name)
+"""
+INFO = WITHOUT_POSIX_MODULES + """
+from keras_dist.cli import main
+sys.exit(main(["info"]))
+"""
+
+
+@pytest.mark.parametrize("keras_backend", ["jax", "torch"])
+def test_without_posix_only_modules_keras_dist_imports_trains_and_answers_info(keras_backend):
+    pytest.importorskip(keras_backend)
+    env = {"KERAS_BACKEND": keras_backend}
+    code, out = run([PYTHON, "-c", TRAIN_TWO_LINE_SCRIPT], timeout=120, env=env)
+    assert code == 0 and "trained on single" in out, out[-3000:]
+    code, out = run([PYTHON, "-c", INFO], timeout=120, env=env)
+    assert code == 0 and '"backend"' in out, out[-3000:]
