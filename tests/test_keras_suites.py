@@ -7,11 +7,10 @@ one Keras backend, as one plain process or under that backend's launcher with on
 passes without keras_dist must pass with it; the ones that cannot are listed, with why, in
 tests/keras_suites/expected_failures.txt, deselected, and printed in the run's summary.
 
-Selection (the CI budget): `trainers/trainer_test.py`, `callbacks/` and `models/` whole on
-JAX in one process; under each launcher the callbacks and the Sequential model's tests.
-Left out everywhere: `remote_monitor_test.py` (imports Keras's repository conftest, which
-the wheel does not ship), `orbax_checkpoint_test.py` (orbax is not a dependency) and the
-`grain` cases (grain is not installed).
+Selection, for the suite's time budget (all of `trainers/trainer_test.py`, `callbacks/` and
+`models/` on every backend would exceed it several times over): the trainer's tests and the
+callbacks that save, restore or read logs, on JAX in one process; those callbacks under each
+backend's launcher with one process. The `grain` cases are left out (grain is not installed).
 """
 
 import re
@@ -25,14 +24,14 @@ from runner import BIN, PYTHON, ROOT, horovodrun_command, run
 pytestmark = pytest.mark.timeout(900)
 KERAS_TESTS = Path(keras.__file__).parent / "src"
 EXPECTED = ROOT / "tests" / "keras_suites" / "expected_failures.txt"
-EVERYTHING = ["trainers/trainer_test.py", "callbacks", "models"]
-CALLBACKS_AND_SEQUENTIAL = ["callbacks", "models/sequential_test.py"]
+CALLBACKS = [f"callbacks/{name}_test.py" for name in ("backup_and_restore", "model_checkpoint", "early_stopping",
+                                                     "reduce_lr_on_plateau", "csv_logger", "swap_ema_weights")]
 # (Keras backend, launcher, the strategy that must run, files)
 RUNS = [
-    ("jax", "plain", "single", EVERYTHING),
-    ("jax", "keras-dist launch -n 1", "jax", CALLBACKS_AND_SEQUENTIAL),
-    ("torch", "torchrun --nproc-per-node 1", "torch", CALLBACKS_AND_SEQUENTIAL),
-    ("tensorflow", "horovodrun -np 1", "horovod", CALLBACKS_AND_SEQUENTIAL),
+    ("jax", "plain", "single", ["trainers/trainer_test.py", *CALLBACKS]),
+    ("jax", "keras-dist launch -n 1", "jax", CALLBACKS),
+    ("torch", "torchrun --nproc-per-node 1", "torch", CALLBACKS),
+    ("tensorflow", "horovodrun -np 1", "horovod", CALLBACKS),
 ]
 
 
@@ -49,8 +48,6 @@ def expected_failures():
 def pytest_command(launcher, files):
     argv = [ROOT / "tests" / "keras_suites" / "run_pytest.py", "-p", "routing", "-p", "no:cacheprovider", "-q", "-rfE", "-o", "addopts=",
             *[str(KERAS_TESTS / f) for f in files], "-k", "not grain",
-            "--ignore", str(KERAS_TESTS / "callbacks" / "remote_monitor_test.py"),
-            "--ignore", str(KERAS_TESTS / "callbacks" / "orbax_checkpoint_test.py"),
             *[a for node in expected_failures() for a in ("--deselect", str(KERAS_TESTS / node))]]
     if launcher == "plain":
         return [PYTHON, *argv]
