@@ -175,6 +175,8 @@ def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
     """This process's share of `data`, as the strategy then takes it."""
     plan = strategy.input_plan
     x, equal_steps = data.x, False
+    # An unpadded share may be empty; where steps are collectives the open-ended input ends it.
+    may_stand_in = plan.num_shards > 1 and not pad and not plan.collective_steps
     if is_tf_dataset(x):
         from keras_dist.inputs import tf_data
 
@@ -186,7 +188,7 @@ def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
         x, equal_steps = tf_data.shard_dataset(x, plan.num_shards, plan.shard_index, pad and data.steps is None,
                                                plan.batch_multiplier, files=purpose != "predict",
                                                allgather=strategy.allgather_object)
-        if plan.num_shards > 1 and not pad and not plan.collective_steps and tf_data.is_empty(x):
+        if may_stand_in and tf_data.is_empty(x):
             x = source.take(1)  # the first batch stands in for an empty share
             data = dataclasses.replace(data, stand_in=True)
         data = dataclasses.replace(data, x=x)
@@ -208,7 +210,7 @@ def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
             pad = True
             data = dataclasses.replace(data, samples=arrays.num_samples(parts))
         split = arrays.shard_arrays(parts, plan.num_shards, plan.shard_index, pad)
-        if plan.num_shards > 1 and not pad and not plan.collective_steps and arrays.num_samples(split) == 0:
+        if may_stand_in and arrays.num_samples(split) == 0:
             split = arrays.take_rows(parts, np.zeros(1, dtype=int))
             data = dataclasses.replace(data, stand_in=True)
         batch_size = None if data.batch_size is None else data.batch_size * plan.batch_multiplier

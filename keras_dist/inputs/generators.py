@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from keras import tree
+
+from keras_dist.inputs.arrays import num_samples
 
 
 class GeneratorShare:
@@ -68,5 +69,4 @@ def reassemble(per_shard: list[np.ndarray], batch_sizes: list[int]) -> np.ndarra
 
 
 def _rows(batch: Any) -> int:
-    x = batch[0] if isinstance(batch, tuple) else batch
-    return int(next(a for a in tree.flatten(x) if a is not None).shape[0])
+    return num_samples(batch[0] if isinstance(batch, tuple) else batch)
