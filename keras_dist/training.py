@@ -22,6 +22,7 @@ import keras
 
 from keras_dist import inputs, optimizer_hooks
 from keras_dist.logs import flat_logs, metric_results
+from keras_dist.callbacks import resume
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck
@@ -58,38 +59,54 @@ class DistributedTraining:
 
     # --- wrapped methods --------------------------------------------------------
     def _worker_args(self, method, args, kwargs):
+        """The call's Keras arguments as this worker runs them, and the script's callbacks."""
         bound = inspect.signature(method).bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         extra = arguments.pop("kwargs", {})
         arguments.update(extra)
-        arguments["callbacks"] = callbacks_for_this_worker(arguments.get("callbacks"), self.strategy)
+        callbacks = arguments.get("callbacks")
+        script_callbacks = list(callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
+                                else callbacks or [])
+        arguments["callbacks"] = callbacks_for_this_worker(script_callbacks, self.strategy)
         if not self.strategy.is_chief:
             arguments["verbose"] = 0
-        return arguments
+        return arguments, script_callbacks
 
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         self._distribute_new_optimizers()
-        arguments = self._worker_args(self.keras_fit, args, kwargs)
+        arguments, script_callbacks = self._worker_args(self.keras_fit, args, kwargs)
         if self.strategy.reduces_in_keras_dist:
             self._choose_batch_logs(arguments["callbacks"])
-        if os.environ.get(RESTART, "0") != "0" and self.strategy.is_chief and not any(
-                isinstance(c, keras.callbacks.BackupAndRestore) for c in arguments["callbacks"]):
+        backup = resume.backup_of(script_callbacks)
+        if os.environ.get(RESTART, "0") != "0" and self.strategy.is_chief and backup is None:
             logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
                            "so training starts over; add one to resume where the job failed", os.environ[RESTART])
+        # Resuming inside an epoch needs Keras's loop (a parameter server's own loop resumes at the epoch).
+        position = None
+        if backup is not None and self.strategy.runs_keras_loops:
+            position = resume.EpochPosition(seed=inputs.job_seed(self.strategy))
         data, validation = inputs.fit(self.strategy, _read(arguments, "steps_per_epoch"), arguments["validation_data"],
                                       arguments["validation_split"], arguments["validation_batch_size"],
-                                      arguments["validation_steps"])
+                                      arguments["validation_steps"], position, arguments["shuffle"])
         _write(arguments, data, "steps_per_epoch")
+        if data.ordered:
+            arguments["shuffle"] = False
         self.stand_in_validation = validation is not None and validation.stand_in
         if validation is not None:
             arguments.update(validation_data=validation.as_validation_data(), validation_split=0.0)
             if arguments["validation_batch_size"] is not None:
                 arguments["validation_batch_size"] = validation.batch_size
+        if position is not None:
+            runs_backup = resume.backup_of(arguments["callbacks"])
+            point = resume.ResumePoint(self.strategy, runs_backup or backup, position, script_callbacks,
+                                       runs_backup is not None)
+            arguments["callbacks"] = [point, *arguments["callbacks"], point.restore]
         if self.strategy.size > 1:
             # First at each epoch end, before user callbacks save; last at the start, after they restore.
             arguments["callbacks"] = [ReplicaCheck(self.strategy), *arguments["callbacks"], SyncInitialState(self.strategy)]
-        with self._flag("in_fit"):
+        resumes = resume.resume_inside_epoch(self.model, position) if position else contextlib.nullcontext()
+        with self._flag("in_fit"), resumes:
             history = self.strategy.run_loop("fit", self.model, self.keras_fit, arguments)
         self.synced = True
         return history
@@ -100,7 +117,7 @@ class DistributedTraining:
             with self._flag("in_evaluate"), set_while(self, "stand_in_evaluation", self.stand_in_validation), \
                     local_steps:
                 return self.keras_evaluate(*args, **kwargs)
-        arguments = self._worker_args(self.keras_evaluate, args, kwargs)
+        arguments, _ = self._worker_args(self.keras_evaluate, args, kwargs)
         data = inputs.evaluate(self.strategy, _read(arguments, "steps"))
         _write(arguments, data, "steps")
         self._sync_once()
@@ -109,7 +126,7 @@ class DistributedTraining:
             return self.strategy.run_loop("evaluate", self.model, self.keras_evaluate, arguments)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        arguments = self._worker_args(self.keras_predict, args, kwargs)
+        arguments, _ = self._worker_args(self.keras_predict, args, kwargs)
         data = inputs.predict(self.strategy, _read(arguments, "steps"))
         _write(arguments, data, "steps")
         self._sync_once()

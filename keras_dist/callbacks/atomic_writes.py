@@ -7,12 +7,14 @@ disk, and is then renamed over the real name, which a rename replaces whole or n
 all. Only the callback instance is changed (its `_save_model` and `on_train_begin`).
 """
 
+import json
 import logging
 import os
 import shutil
 
 import keras
 
+from keras_dist.callbacks.resume import METADATA_KEY
 from keras_dist.overrides import override
 
 logger = logging.getLogger("keras_dist")
@@ -92,6 +94,12 @@ def _atomic_backup(callback):
             partials = [getattr(callback, n) for n in names]
             for name, final in zip(names, finals):
                 setattr(callback, name, final)
+        add_metadata = getattr(callback, "_keras_dist_metadata", None)  # `resume.ResumePoint`: the position
+        if add_metadata is not None:
+            with open(partials[1]) as f:
+                metadata = json.load(f)
+            with open(partials[1], "w") as f:
+                json.dump({**metadata, METADATA_KEY: add_metadata()}, f)
         # Weights and metadata are one state, committed in three renames: the metadata is
         # staged, the weights replaced, then the staged metadata put in place. A crash
         # between the last two leaves new weights beside old metadata, which would train an

@@ -19,6 +19,7 @@ through `Strategy.take_input`, before Keras does.
 """
 
 import dataclasses
+import itertools
 import os
 import sys
 import types
@@ -28,6 +29,7 @@ import keras
 import numpy as np
 from keras import tree
 
+from keras_dist.callbacks.resume import EpochPosition
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs import arrays
 from keras_dist.inputs.generators import GeneratorShare, reassemble
@@ -58,6 +60,8 @@ class Inputs:
             dropped (`DistributedTraining`).
         generator_share: a generator split for `predict`, whose batch sizes put the
             gathered outputs back in order.
+        ordered: keras_dist orders the epochs (`fit` that resumes inside an epoch): Keras
+            must not shuffle.
     """
 
     x: Any
@@ -68,6 +72,7 @@ class Inputs:
     samples: int | None = None
     stand_in: bool = False
     generator_share: GeneratorShare | None = None
+    ordered: bool = False
 
     @classmethod
     def of_validation(cls, validation_data: Any, batch_size: int | None, steps: int | None) -> "Inputs":
@@ -87,15 +92,23 @@ class Inputs:
 
 
 def fit(strategy: "Strategy", data: Inputs, validation_data: Any = None, validation_split: float = 0.0,
-        validation_batch_size: int | None = None, validation_steps: int | None = None) -> tuple[Inputs, Inputs | None]:
-    """This process's training input (padded to equal steps) and validation input (None: none)."""
+        validation_batch_size: int | None = None, validation_steps: int | None = None,
+        position: "EpochPosition | None" = None, shuffle: bool | str = False) -> tuple[Inputs, Inputs | None]:
+    """This process's training input (padded to equal steps) and validation input (None: none).
+
+    With `position` (a fit that resumes inside an epoch, `keras_dist.callbacks.resume`),
+    inputs whose order keras_dist can draw (arrays that `shuffle`, a PyDataset of known
+    length, a DataLoader it splits) are ordered by it and start the epoch resumed at its
+    next step themselves (`Inputs.ordered`, `EpochPosition.sources_skip`).
+    """
     if validation_split and validation_data is None and arrays.is_array_input(data.x):
         data, validation_data = _hold_out(data, validation_split)
     validation = None
     if validation_data is not None:
         held = Inputs.of_validation(validation_data, validation_batch_size or data.batch_size, validation_steps)
         validation = _split(strategy, held, pad=False, purpose="validation")
-    return _split(strategy, data, pad=True, purpose="fit"), validation
+    ordered = _ordered(strategy, data, position, shuffle) if position is not None and data.steps is None else None
+    return ordered or _split(strategy, data, pad=True, purpose="fit"), validation
 
 
 def evaluate(strategy: "Strategy", data: Inputs) -> Inputs:
@@ -169,6 +182,31 @@ def _hold_out(data: Inputs, fraction: float) -> tuple[Inputs, tuple]:
     """Keras's `validation_split`, taken before the split as one process would: the last fraction."""
     kept, held = arrays.hold_out((data.x, data.y, data.sample_weight), fraction)
     return dataclasses.replace(data, x=kept[0], y=kept[1], sample_weight=kept[2]), held
+
+
+def _ordered(strategy, data: Inputs, position: "EpochPosition", shuffle: bool | str) -> Inputs | None:
+    """This process's training share of `data`, ordered by keras_dist for a fit that resumes
+    inside an epoch; None where keras_dist cannot order it (`_split` splits it then)."""
+    plan, x = strategy.input_plan, data.x
+    if isinstance(x, keras.utils.PyDataset) and x.num_batches is not None:
+        x = ShardedPyDataset(x, plan.num_shards, plan.shard_index, True, plan.batch_multiplier,
+                             position=position, shuffle=bool(shuffle))
+    elif is_data_loader(x):
+        from keras_dist.inputs import data_loader
+
+        if data_loader.is_split(x):
+            return None
+        x = _split_data_loader(strategy, x, True, position)
+    elif x is not None and arrays.is_array_input(x) and shuffle and shuffle != "batch":
+        parts = {"x": x, "y": data.y, "sample_weight": data.sample_weight}
+        if arrays.num_samples(parts) == 0:
+            return None
+        x = arrays.EpochRows(parts, plan.num_shards, plan.shard_index, (data.batch_size or 32) * plan.batch_multiplier,
+                             position)
+    else:
+        return None
+    position.sources_skip = True
+    return Inputs(strategy.take_input(x, True), steps=data.steps, ordered=True)
 
 
 def _split(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
@@ -246,7 +284,7 @@ def _split_generator(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
                                generator_share=share if purpose == "predict" else None)
 
 
-def _split_data_loader(strategy, loader, pad: bool):
+def _split_data_loader(strategy, loader, pad: bool, position: "EpochPosition | None" = None):
     from keras_dist.inputs import data_loader
 
     if data_loader.is_split(loader):
@@ -254,7 +292,26 @@ def _split_data_loader(strategy, loader, pad: bool):
     if strategy.input_plan.collective_steps:
         raise KerasDistError(f"backend {strategy.name!r} cannot read a torch DataLoader (its steps are "
                              "collectives); pass NumPy arrays, a tf.data.Dataset or a keras.utils.PyDataset")
-    # One seed for every process's permutations, drawn anew for each call.
-    seed = strategy.broadcast_object(int.from_bytes(os.urandom(4), "little")) if data_loader.shuffles(loader) else None
+    if position is None and data_loader.shuffles(loader):
+        position = EpochPosition(seed=job_seed(strategy))  # drawn anew for each call
     plan = strategy.input_plan
-    return data_loader.shard_data_loader(loader, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier, seed)
+    return data_loader.shard_data_loader(loader, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier,
+                                         position)
+
+
+_calls = itertools.count()
+
+
+def job_seed(strategy: "Strategy") -> int:
+    """The seed of one call's epoch orders, the same on every process (the chief's).
+
+    From the script's seed (`keras.utils.set_random_seed`) and the number of calls
+    before, so that a seeded script draws the same orders when run again; otherwise
+    from the OS.
+    """
+    from keras.src.utils import rng_utils
+
+    script_seed = rng_utils.get_random_seed()
+    base = int.from_bytes(os.urandom(4), "little") if script_seed is None else script_seed
+    seed = int(np.random.SeedSequence([base, next(_calls)]).generate_state(1)[0])
+    return strategy.broadcast_object(seed)

@@ -12,12 +12,14 @@ alone or nested in lists, tuples and dicts. Every rule here maps over the whole 
 
 from typing import TYPE_CHECKING, Any
 
+import keras
 import numpy as np
 from keras import tree
 
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
+    from keras_dist.callbacks.resume import EpochPosition
     from keras_dist.strategies.base import Strategy
 
 
@@ -80,6 +82,47 @@ def shard_arrays(data: Any, num_shards: int, index: int, pad: bool) -> Any:
     if length == 0 and num_shards > 1:
         raise KerasDistError("x has no samples; pass a non-empty input")
     return take_rows(data, shard_rows(length, num_shards, index, pad))
+
+
+class EpochRows(keras.utils.PyDataset):
+    """One process's training share of `(x, y, sample_weight)` arrays, in batches, in an order
+    keras_dist draws for each epoch, for `fit` that resumes inside an epoch.
+
+    Keras's array adapter shuffles with its backend's global random state, which a
+    restarted process cannot bring back. Here epoch e's order is `position.order(e)`, of
+    the seed and the epoch alone: the global permutation is split as `shard_rows` splits
+    the rows (so N replicas at batch B still see what one process at N*B does), and the
+    epoch resumed starts at its next batch without reading the ones before.
+
+    Args:
+        data: the arrays, as a dict `x`, `y`, `sample_weight` (None leaves kept out).
+        num_shards: the processes that read.
+        index: this process's shard.
+        batch_size: this process's batch size.
+        position: the fit's `EpochPosition`.
+    """
+
+    def __init__(self, data: dict, num_shards: int, index: int, batch_size: int, position: "EpochPosition") -> None:
+        super().__init__()
+        self.data, self.position, self.batch_size = data, position, batch_size
+        self.length = num_samples(data)
+        self.shard = shard_rows(self.length, num_shards, index, pad=True)
+        self.steps = -(-len(self.shard) // batch_size)
+        self._rows: tuple[int, np.ndarray] | None = None
+
+    @property
+    def num_batches(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> tuple:
+        epoch = self.position.epoch
+        if self._rows is None or self._rows[0] != epoch:
+            self._rows = epoch, self.position.order(epoch, self.length)[self.shard]
+        # Beyond the epoch's batches only where a prefetch reads ahead: wrapped, never used.
+        step = (step + self.position.first_step(epoch)) % self.steps
+        batch = take_rows(self.data, self._rows[1][step * self.batch_size:(step + 1) * self.batch_size])
+        parts = (batch["x"], batch["y"], batch["sample_weight"])
+        return parts[:1 + sum(p is not None for p in parts[1:])]
 
 
 def allgather_parts(backend: "Strategy", leaf: Any) -> list[np.ndarray]:

@@ -10,10 +10,14 @@ around, as `DistributedSampler` pads; evaluation and prediction shards are not.
 Imported only where the input is a `DataLoader` (so torch is installed).
 """
 
-import torch
+from typing import TYPE_CHECKING
+
 from torch.utils import data
 
 from keras_dist.errors import KerasDistError
+
+if TYPE_CHECKING:
+    from keras_dist.callbacks.resume import EpochPosition
 
 
 class InterleavedSampler(data.Sampler):
@@ -23,33 +27,39 @@ class InterleavedSampler(data.Sampler):
         length: the dataset's number of samples.
         num_shards: N, the shards the dataset is split into.
         index: this shard.
-        seed: the seed of every epoch's permutation, the same on every process; None:
-            the dataset's order.
         pad: repeat samples from the start so every shard has the same length.
+        position: the fit's `EpochPosition` (None: the dataset's order, every epoch from
+            its start). Each iteration takes the next epoch's (`next_iteration`); the
+            epoch a fit resumes inside starts at its next batch.
+        shuffle: each epoch in `position`'s permutation for it, the same on every process.
+        batch_size: the loader's batch size, for the batches an epoch resumed skips.
 
     Unpadded, a shard with no sample of its own (fewer samples than shards) gives the
     first sample as a stand-in (`stand_in`), which keras_dist does not count.
     """
 
-    def __init__(self, length: int, num_shards: int, index: int, seed: int | None, pad: bool):
+    def __init__(self, length: int, num_shards: int, index: int, pad: bool, position: "EpochPosition | None" = None,
+                 shuffle: bool = False, batch_size: int = 1):
         super().__init__()
-        self.length, self.num_shards, self.index, self.seed, self.pad = length, num_shards, index, seed, pad
+        self.length, self.num_shards, self.index, self.pad = length, num_shards, index, pad
+        self.position, self.shuffle, self.batch_size = position, shuffle, batch_size
         self.stand_in = not pad and 0 < length <= index
-        self.epoch = 0  # every process iterates its loader as often as the others
 
     def __iter__(self):
-        if self.seed is None:
+        first = 0
+        if self.position is None:
             order = list(range(self.length))
         else:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.length, generator=generator).tolist()
-        self.epoch += 1
+            # Counted, not read from the epoch under way: a loader with workers begins the
+            # next epoch's iteration as the last one ends.
+            epoch = self.position.next_iteration()
+            order = self.position.order(epoch, self.length).tolist() if self.shuffle else list(range(self.length))
+            first = self.position.first_step(epoch) * self.batch_size
         if self.stand_in:
             return iter(order[:1])
         if self.pad:
             order += order[:(-self.length) % self.num_shards]
-        return iter(order[self.index::self.num_shards])
+        return iter(order[self.index::self.num_shards][first:])
 
     def __len__(self) -> int:
         if self.stand_in:
@@ -86,7 +96,7 @@ def is_split(loader: data.DataLoader) -> bool:
 
 
 def shard_data_loader(loader: data.DataLoader, num_shards: int, index: int, pad: bool, batch_multiplier: int,
-                      seed: int | None) -> data.DataLoader:
+                      position: "EpochPosition | None") -> data.DataLoader:
     """Shard `index` of `loader`'s samples, in batches of its batch size times `batch_multiplier`.
 
     Args:
@@ -95,12 +105,13 @@ def shard_data_loader(loader: data.DataLoader, num_shards: int, index: int, pad:
         index: this process's shard.
         pad: equal shard lengths (training).
         batch_multiplier: the replicas this process feeds.
-        seed: the permutations' seed, shared by every process, where the loader shuffles
-            (`shuffles`); None: the dataset's order.
+        position: the epochs' order and the step an epoch resumed starts at (None: the
+            dataset's order, where the loader does not shuffle and fit does not resume).
     """
-    sampler = InterleavedSampler(len(loader.dataset), num_shards, index, seed, pad)
+    batch_size = loader.batch_size * batch_multiplier
+    sampler = InterleavedSampler(len(loader.dataset), num_shards, index, pad, position, shuffles(loader), batch_size)
     return data.DataLoader(
-        loader.dataset, batch_size=loader.batch_size * batch_multiplier, sampler=sampler,
+        loader.dataset, batch_size=batch_size, sampler=sampler,
         num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
         drop_last=loader.drop_last, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,

@@ -1,10 +1,15 @@
 """`keras.utils.PyDataset` sharding: each process loads only its share of the batches."""
 
+from typing import TYPE_CHECKING
+
 import keras
 import numpy as np
 from keras import tree
 
 from keras_dist.errors import KerasDistError
+
+if TYPE_CHECKING:
+    from keras_dist.callbacks.resume import EpochPosition
 
 
 class ShardedPyDataset(keras.utils.PyDataset):
@@ -32,13 +37,19 @@ class ShardedPyDataset(keras.utils.PyDataset):
             that are collectives).
         contiguous: consecutive runs of batches instead of interleaved ones; needs a
             known length.
+        position: for a `fit` that resumes inside an epoch (a known length): the fit's
+            `EpochPosition`, which starts the epoch resumed at its next step and, with
+            `shuffle`, orders each epoch's steps (Keras's shuffle draws from Python's global
+            random state, which a restarted process cannot bring back).
+        shuffle: the script's `fit(shuffle=...)`, taken over with `position`.
     """
 
     def __init__(self, dataset: keras.utils.PyDataset, num_shards: int, index: int, pad: bool, batch_multiplier: int = 1,
-                 contiguous: bool = False, equal_steps: bool = True) -> None:
+                 contiguous: bool = False, equal_steps: bool = True, position: "EpochPosition | None" = None,
+                 shuffle: bool = False) -> None:
         super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
                          max_queue_size=dataset.max_queue_size)
-        self.dataset, self.pad, self.own = dataset, pad, batch_multiplier
+        self.dataset, self.pad, self.own, self.position, self.shuffle = dataset, pad, batch_multiplier, position, shuffle
         total = dataset.num_batches
         steps = None if total is None else -(-total // (num_shards * batch_multiplier))
         if contiguous and steps is None:
@@ -57,6 +68,12 @@ class ShardedPyDataset(keras.utils.PyDataset):
 
     def __getitem__(self, step):
         total = self.dataset.num_batches
+        if self.position is not None:
+            epoch = self.position.epoch
+            # Beyond the epoch's steps only where a prefetch reads ahead: wrapped, never used.
+            step = (step + self.position.first_step(epoch)) % self.steps
+            if self.shuffle:
+                step = int(self.position.order(epoch, self.steps)[step])
         wanted = [step * self.per_step + self.first + j for j in range(self.own)]
         if self.stand_in:
             wanted = [0]

@@ -261,6 +261,11 @@ class JaxDataParallelStrategy(Strategy):
             return [keras.ops.convert_to_numpy(v.value) for v in variables]
         return super().global_metric_states(variables)
 
+    def local_metric_states(self, global_states: Sequence[np.ndarray]) -> list:
+        if self._local_depth == 0:  # the train step's states are one global array
+            return list(global_states)
+        return super().local_metric_states(global_states)
+
     @contextlib.contextmanager
     def process_local_steps(self, model: keras.Model) -> Iterator[None]:
         """Runs Keras on this process's devices alone: `evaluate`, `predict`, the chief's saves.

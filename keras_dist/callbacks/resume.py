@@ -1,0 +1,368 @@
+"""Exact resume inside an epoch: a restarted `fit` goes on at the step after the last backup.
+
+Keras 3's `BackupAndRestore` restores weights, optimizer state and the epoch. Its metadata
+keeps the last batch, but nothing reads it, so a restarted `fit` retrains the interrupted
+epoch from its first batch (tf.keras 2 skipped the consumed batches). keras_dist adds to
+each backup what the rest of the epoch depends on, and puts it back on restart:
+
+* the position: the epoch under way and the steps of it already done;
+* the job's seed, from which every epoch's order is drawn (`EpochPosition.order`), so an
+  epoch's order depends on the seed and its number only, never on what the process did
+  before (as `DistributedSampler.set_epoch`);
+* the epoch's metric states summed over processes, so its logged loss is the
+  uninterrupted run's;
+* the layers' random-number states (`SeedGenerator`: dropout) and the counters of
+  `EarlyStopping` and `ReduceLROnPlateau`. The learning rate is optimizer state, which
+  Keras's own backup holds.
+
+The interrupted epoch then resumes at its next step: inputs whose order keras_dist draws
+start there without reading what came before (`EpochPosition.sources_skip`); other inputs
+(tf.data, generators) are read from the epoch's start and the consumed batches dropped.
+"""
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import keras
+import numpy as np
+
+from keras_dist.overrides import override
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
+
+logger = logging.getLogger("keras_dist")
+
+# The key of keras_dist's part of Keras's `training_metadata.json`.
+METADATA_KEY = "keras_dist"
+# The state of Keras callbacks that counts across epochs, restored on resume.
+_CALLBACK_STATE = {
+    keras.callbacks.EarlyStopping: ("wait", "best", "best_epoch", "stopped_epoch"),
+    keras.callbacks.ReduceLROnPlateau: ("wait", "best", "cooldown_counter"),
+}
+
+
+@dataclasses.dataclass
+class EpochPosition:
+    """Where one `fit` stands: shared by `ResumePoint` and the inputs keras_dist orders.
+
+    Args:
+        seed: the job's seed for the epochs' orders, the same on every process.
+        epoch: the epoch under way.
+        resume_epoch: the epoch a restarted fit resumes inside (-1: none).
+        skip: the steps of `resume_epoch` done before the restart.
+        sources_skip: the training input starts `resume_epoch` at step `skip` itself;
+            otherwise the consumed batches are read and dropped.
+    """
+
+    seed: int
+    epoch: int = 0
+    resume_epoch: int = -1
+    skip: int = 0
+    sources_skip: bool = False
+    # Iterations over the training input begun since training began (`next_iteration`).
+    iterations: int = 0
+
+    def first_step(self, epoch: int) -> int:
+        """The step `epoch` starts at: `skip` in the epoch resumed, else 0."""
+        return self.skip if epoch == self.resume_epoch else 0
+
+    def order(self, epoch: int, length: int) -> np.ndarray:
+        """Epoch `epoch`'s permutation of `length` samples (or batches): a function of the seed and epoch alone."""
+        return np.random.default_rng([self.seed, epoch]).permutation(length)
+
+    def next_iteration(self) -> int:
+        """The epoch of an iteration over the training input begun now.
+
+        For inputs that begin an epoch's iteration before its `on_epoch_begin` (a
+        `DataLoader` with workers starts the next epoch's as the last one ends): the
+        k-th iteration since training began is epoch `resume_epoch + k`.
+        """
+        epoch = max(self.resume_epoch, 0) + self.iterations
+        self.iterations += 1
+        return epoch
+
+
+def backup_of(callbacks: list) -> keras.callbacks.BackupAndRestore | None:
+    """The `BackupAndRestore` among `callbacks`, if any (inside a worker's stand-in too,
+    `keras_dist.callbacks.scratch.ScratchCallback`)."""
+    return next((c for c in (getattr(c, "inner", c) for c in callbacks)
+                 if isinstance(c, keras.callbacks.BackupAndRestore)), None)
+
+
+class ResumePoint(keras.callbacks.Callback):
+    """Saves and restores the position inside an epoch beside a `BackupAndRestore`.
+
+    keras_dist adds it on every process wherever `fit` has a `BackupAndRestore`: first
+    among the callbacks, so that every process takes a save step's snapshot at the same
+    point, and its `Restore` last, after the backup has loaded. It takes the backup's
+    schedule (`save_freq`): at each save step every process sums its metric states with
+    the others (a collective), and the chief's backup writes them with the position into
+    Keras's metadata file, in the same atomic commit
+    (`keras_dist.callbacks.atomic_writes`). On restart the chief reads its backup, every
+    process learns the position, and the epoch starts at the next step.
+
+    Args:
+        strategy: the active keras_dist strategy.
+        backup: the `BackupAndRestore` this worker runs (the chief's writes; a stand-in's
+            takes part in collective saves), or where it runs none, the script's, for
+            its schedule.
+        position: the fit's `EpochPosition`, shared with its training input.
+        callbacks: the fit's callbacks, whose counters are saved (`EarlyStopping`,
+            `ReduceLROnPlateau`).
+    """
+
+    def __init__(self, strategy: "Strategy", backup: keras.callbacks.BackupAndRestore, position: EpochPosition,
+                 callbacks: list, runs_backup: bool) -> None:
+        super().__init__()
+        self.strategy, self.backup, self.position, self.runs_backup = strategy, backup, position, runs_backup
+        self.counting = _counting_callbacks(callbacks)
+        self._restored_metrics: list | None = None
+        self._restored_random: dict | None = None
+        self._save_at_epoch_end = False
+        self._last_step = -1
+        self._since_save = 0
+        self._snapshot: dict | None = None
+        self._decided: tuple[int, int] | None = None
+        self._due = False
+        # The backup asks this callback when to save (on every process: a stand-in that
+        # takes part in collective saves keeps the same schedule), and what to add.
+        override(backup, "_should_save_on_batch", self.due)
+        override(backup, "_keras_dist_metadata", self.metadata)
+
+    @property
+    def restore(self) -> keras.callbacks.Callback:
+        """The callback that restores, placed after the script's (its backup loads first)."""
+        return _Restore(self)
+
+    def restore_position(self) -> None:
+        state = _read_metadata(self.backup) if self.strategy.is_chief else None
+        if self.strategy.size > 1:
+            state = self.strategy.broadcast_object(state)
+        position = self.position
+        position.iterations = 0
+        if state is None:
+            position.resume_epoch = self.model._initial_epoch or 0
+            return
+        position.seed = state["seed"]
+        epoch, steps = state["epoch"], state["steps"]
+        position.resume_epoch, position.skip = epoch, steps
+        self.model._initial_epoch = epoch
+        self._last_step = steps - 1
+        self._restored_metrics = state["metrics"] if steps else None
+        _set_seed_states(self.model, state["seed_states"])
+        random_states = state["random_states"]
+        self._restored_random = random_states[self.strategy.rank % len(random_states)]
+        for name, callback in self.counting:
+            for attribute, value in state["callbacks"].get(name, {}).items():
+                setattr(callback, attribute, value)
+        # Keras counts epochs from 0 in each fit: its own metadata would say epoch 0.
+        self.backup._current_epoch = epoch
+        if self.strategy.is_chief:
+            logger.info("keras_dist: fit resumes in epoch %s after step %s, from %s", epoch + 1, steps,
+                        self.backup.backup_dir)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.position.epoch = epoch
+        self._last_step = self.position.first_step(epoch) - 1
+        if epoch != self.position.resume_epoch:
+            return
+        if self._restored_metrics is not None:
+            variables = [v for m in self.model.metrics for v in m.variables]
+            values = self.strategy.local_metric_states([np.asarray(a) for a in self._restored_metrics])
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+            self._restored_metrics = None
+        if self._restored_random is not None and not self.position.skip:
+            # Saved at an epoch's end: Keras then makes the next epoch's input iterator (a
+            # torch DataLoader draws its base seed from torch's state) after this point.
+            _set_global_random_states(self._restored_random)
+            self._restored_random = None
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._restored_random is not None:
+            # Saved inside the epoch: its input iterator was made before the save.
+            _set_global_random_states(self._restored_random)
+            self._restored_random = None
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.due(batch)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        # After keras_dist's replica check (which averages BatchNormalization statistics),
+        # before the script's callbacks: every process's part of an epoch-end save.
+        if self.backup.save_freq == "epoch" or self._save_at_epoch_end:
+            self._snapshot = self._state(epoch + 1, 0)
+        if self._save_at_epoch_end:
+            self._save_at_epoch_end = False
+            self.backup._current_epoch, self.backup._last_batch_seen = epoch + 1, 0
+            if self.runs_backup:
+                self.backup._save_model()
+
+    def due(self, batch: int) -> bool:
+        """Whether the backup saves after step `batch` of the epoch under way.
+
+        Keras's schedule (`save_freq` steps, counted across epochs), decided once per
+        step on every process; where it is due, every process takes the snapshot now. A
+        save due after the epoch's last step is taken at the epoch's end instead, after
+        its validation: a restart then begins the next epoch (Keras cannot end an epoch
+        that runs no step).
+        """
+        key = (self.position.epoch, batch)
+        if self._decided == key:
+            return self._due
+        self._decided = key
+        freq = self.backup.save_freq
+        self._since_save += batch - self._last_step
+        self._last_step = batch
+        self._due = freq != "epoch" and self._since_save >= freq
+        if self._due:
+            self._since_save = 0
+            if batch + 1 >= (self.params.get("steps") or batch + 2):
+                self._due, self._save_at_epoch_end = False, True
+            else:
+                self._snapshot = self._state(self.position.epoch, batch + 1)
+                self.backup._last_batch_seen = batch
+        return self._due
+
+    def metadata(self) -> dict:
+        """keras_dist's part of the metadata the chief's backup writes now."""
+        return self._snapshot
+
+    def _state(self, epoch: int, steps: int) -> dict:
+        model = self.model  # on JAX, reading it brings the step's state into the variables
+        variables = [v for m in model.metrics for v in m.variables] if steps else []
+        metrics = self.strategy.global_metric_states(variables) if variables else []
+        return {"epoch": epoch, "steps": steps, "seed": self.position.seed,
+                "metrics": [np.asarray(m).tolist() for m in metrics], "seed_states": _seed_states(model),
+                "random_states": self.strategy.allgather_object(_global_random_states()),
+                "callbacks": {name: {a: _plain(getattr(c, a)) for a in _CALLBACK_STATE[type(c)] if hasattr(c, a)}
+                              for name, c in self.counting}}
+
+
+class _Restore(keras.callbacks.Callback):
+    def __init__(self, resume_point: ResumePoint) -> None:
+        super().__init__()
+        self.resume_point = resume_point
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.resume_point.restore_position()
+
+
+def _read_metadata(backup: keras.callbacks.BackupAndRestore) -> dict | None:
+    """keras_dist's part of the backup's metadata (None: no backup, or one Keras wrote alone)."""
+    path = backup._training_metadata_path
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get(METADATA_KEY)
+
+
+def _counting_callbacks(callbacks: list) -> list:
+    """(name, callback) of the fit's callbacks whose counters span epochs, named by type and rank."""
+    seen: dict[str, int] = {}
+    named = []
+    for callback in callbacks:
+        if type(callback) in _CALLBACK_STATE:
+            kind = type(callback).__name__
+            named.append((f"{kind}_{seen.get(kind, 0)}", callback))
+            seen[kind] = seen.get(kind, 0) + 1
+    return named
+
+
+def _seed_generators(model: keras.Model) -> list:
+    return [g for layer in model._flatten_layers() for g in getattr(layer, "_seed_generators", [])]
+
+
+def _seed_states(model: keras.Model) -> list:
+    return [keras.ops.convert_to_numpy(g.state.value).tolist() for g in _seed_generators(model)]
+
+
+def _set_seed_states(model: keras.Model, states: list) -> None:
+    generators = _seed_generators(model)
+    if len(generators) == len(states):
+        for generator, state in zip(generators, states):
+            generator.state.assign(np.asarray(state, dtype=keras.backend.standardize_dtype(generator.state.dtype)))
+
+
+def _global_random_states() -> dict:
+    """This process's global random states: Python's and NumPy's (a script's augmentation
+    may draw from them) and, on PyTorch, torch's (Keras's unseeded dropout draws from it)."""
+    states = {"python": random.getstate(), "numpy": [a.tolist() if isinstance(a, np.ndarray) else a
+                                                     for a in np.random.get_state()]}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        states["torch"] = torch.get_rng_state().tolist()
+    return json.loads(json.dumps(states))  # as the backup holds them, whether saved or not
+
+
+def _set_global_random_states(states: dict) -> None:
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+    torch = sys.modules.get("torch")
+    if torch is not None and "torch" in states:
+        torch.set_rng_state(torch.tensor(states["torch"], dtype=torch.uint8))
+
+
+def _plain(value: Any) -> Any:
+    """A value JSON can hold (NumPy scalars become Python numbers)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+@contextlib.contextmanager
+def resume_inside_epoch(model: keras.Model, position: EpochPosition) -> Iterator[None]:
+    """While `fit` runs, its epochs start at `EpochPosition.first_step`.
+
+    Keras builds each fit's epoch iterator inside `fit` and hands it first to the model's
+    `_symbolic_build` (JAX, PyTorch) or `_maybe_symbolic_build` (TensorFlow); here those
+    are wrapped on this model instance, for this fit only, to take the iterator and
+    make it start the epoch resumed at its next step: the steps before are not run, and
+    their batches are not read where the input skips them itself.
+    """
+    names = [n for n in ("_symbolic_build", "_maybe_symbolic_build") if hasattr(model, n)]
+    previous = {name: vars(model).get(name) for name in names}
+    taken = []
+
+    def taking(build):
+        def take_iterator(*args, iterator=None, **kwargs):
+            if iterator is not None and not taken:
+                taken.append(iterator)
+                _start_at_resume_step(iterator, position)
+            return build(*args, iterator=iterator, **kwargs)
+        return take_iterator
+
+    for name in names:
+        object.__setattr__(model, name, taking(getattr(model, name)))
+    try:
+        yield
+    finally:
+        for name, method in previous.items():
+            if method is None:
+                vars(model).pop(name, None)
+            else:
+                object.__setattr__(model, name, method)
+
+
+def _start_at_resume_step(epoch_iterator: Any, position: EpochPosition) -> None:
+    keras_enumerate = epoch_iterator._enumerate_iterator
+
+    def enumerate_from_resume_step():
+        first = position.first_step(position.epoch)
+        for begin, end, batches in keras_enumerate():
+            if begin < first:
+                if not position.sources_skip:
+                    for _ in range(end - begin + 1):
+                        next(batches)  # read, and dropped: done before the restart
+                continue
+            yield begin, end, batches
+
+    object.__setattr__(epoch_iterator, "_enumerate_iterator", enumerate_from_resume_step)

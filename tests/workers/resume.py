@@ -1,0 +1,114 @@
+"""A two-line script with `BackupAndRestore(save_freq=args.save_freq)`, killed at one step and run again.
+
+    python resume.py OUT_DIR INPUT [--kill-at STEP] [--kill-rank R] [--during-save] [--save-freq K]
+
+INPUT: arrays (shuffle=True), tf_data (a map with per-element work), py_dataset or
+data_loader (shuffle=True). 96 samples, batch 4 per replica, 3 epochs, a Dropout (its
+random state is restored too) and a metric. The chief appends each step it trains to
+a steps file (`epoch step`), and the final weights and the epochs' logged loss go to
+OUT_DIR/result.npz. With --kill-at, rank R (default 0) is SIGKILLed after global step
+STEP, on the job's first attempt only (a rerun by the launcher or the test goes on);
+steps go to OUT_DIR/steps.first on that attempt, OUT_DIR/steps.rerun on the next;
+with --during-save, inside the backup write that step makes (its weights written under
+their temporary name, not yet renamed).
+"""
+
+import argparse
+import os
+import signal
+
+import keras
+import numpy as np
+
+import keras_dist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("input", choices=["arrays", "tf_data", "py_dataset", "data_loader"])
+parser.add_argument("--kill-at", type=int)
+parser.add_argument("--kill-rank", type=int, default=0)
+parser.add_argument("--during-save", action="store_true")
+parser.add_argument("--save-freq", type=int, default=5)
+args = parser.parse_args()
+
+ctx = keras_dist.init()
+first_attempt = os.environ.get("KERAS_DIST_RESTART", "0") == "0" and not os.path.exists(
+    os.path.join(args.out, "killed"))
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(96, 6)).astype("float32")
+y = (x @ rng.normal(size=(6, 1)) > 0).astype("float32")
+batch_size = 4
+
+
+def make_input():
+    if args.input == "arrays":
+        return {"x": x, "y": y, "shuffle": True}
+    if args.input == "tf_data":
+        import tensorflow as tf
+
+        def work(features, label):  # per-element work the resume must not need to repeat
+            return tf.math.sin(features) + features, label
+
+        return {"x": tf.data.Dataset.from_tensor_slices((x, y)).map(work).batch(batch_size)}
+    if args.input == "py_dataset":
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return len(x) // (batch_size * ctx.num_replicas) * ctx.num_replicas
+
+            def __getitem__(self, i):
+                return x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]
+
+        return {"x": Batches(), "shuffle": True}
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    return {"x": DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=batch_size,
+                            shuffle=True)}
+
+
+class Steps(keras.callbacks.Callback):
+    """Logs each step trained, and kills this rank where the test asks."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        global_step = self.epoch * self.params["steps"] + batch + 1
+        if ctx.is_chief:
+            with open(os.path.join(args.out, "steps." + ("first" if first_attempt else "rerun")), "a") as f:
+                f.write(f"{self.epoch} {batch}\n")
+        if first_attempt and global_step == args.kill_at and ctx.rank == args.kill_rank and not args.during_save:
+            kill()
+
+
+def kill():
+    open(os.path.join(args.out, "killed"), "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+keras.utils.set_random_seed(3)
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.3),
+                          keras.layers.Dense(1, activation="sigmoid")])
+keras_dist.compile(model, optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy", metrics=["accuracy"])
+backup = keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup"), save_freq=args.save_freq)
+steps = Steps()
+if args.during_save and first_attempt and ctx.is_chief:
+    save_weights = model.save_weights
+
+    def save_then_die(filepath, *a, **kw):
+        save_weights(filepath, *a, **kw)
+        if steps.epoch * steps.params["steps"] + backup._last_batch_seen + 1 == args.kill_at:
+            kill()
+
+    object.__setattr__(model, "save_weights", save_then_die)
+
+history = model.fit(**make_input(), batch_size=None if args.input in ("tf_data", "py_dataset", "data_loader")
+                    else batch_size, epochs=3, verbose=0, callbacks=[backup, steps])
+if ctx.is_chief:
+    np.savez(os.path.join(args.out, "result.npz"), loss=np.asarray(history.history["loss"]),
+             *[np.asarray(w) for w in model.get_weights()])
