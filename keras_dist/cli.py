@@ -22,6 +22,9 @@ def _launch(args):
         strategies.strategy_class(os.environ[strategies.ENV_VAR])  # a bad name stops here, in one line
     if args.max_restarts < 0:
         raise KerasDistError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.grace_period < 0:
+        raise KerasDistError(f"--grace-period must be 0 or more seconds, got {args.grace_period}")
+    from keras_dist.callbacks.resume import BACKUP_DIR
     from keras_dist.launchers.nodes import Nodes, serve_directory
     from keras_dist.launchers.processes import RESTART, run_tasks
 
@@ -36,7 +39,9 @@ def _launch(args):
                                              dataclasses.replace(nodes, attempt=attempt) if nodes else None)
             for task in tasks:
                 task.env[RESTART] = str(attempt)
-            code = run_tasks(tasks)
+                if args.backup_dir:
+                    task.env[BACKUP_DIR] = os.path.abspath(args.backup_dir)
+            code = run_tasks(tasks, grace_seconds=args.grace_period)
             if code in (0, *INTERRUPTED) or attempt == args.max_restarts:
                 return code
             print(f"[keras-dist] the job failed (exit {code}); restart {attempt + 1} of {args.max_restarts}",
@@ -110,7 +115,14 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-addr", help="HOST[:PORT] of machine 0 as every machine reaches it "
                                               "(default port 29400)")
     launch.add_argument("--max-restarts", type=int, default=0,
-                        help="restart the job this many times after a task fails; fit resumes from BackupAndRestore")
+                        help="restart the job this many times after a task fails; fit resumes from its backup "
+                             "(--backup-dir, or the script's BackupAndRestore)")
+    launch.add_argument("--backup-dir", help="back up every fit of the script here (each epoch's end, every "
+                                             "KERAS_DIST_BACKUP_SECONDS, default 300, and at SIGTERM) and resume "
+                                             "from it; a script's own BackupAndRestore is used instead where it has one")
+    launch.add_argument("--grace-period", type=float, default=30.0,
+                        help="seconds the tasks get to save and exit after a SIGTERM or SIGUSR1 to the launcher, "
+                             "before they are killed (default 30)")
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
     info = commands.add_parser("info", help="what keras_dist detects in this process")

@@ -13,6 +13,7 @@ otherwise batch logs (the progress bar's running values) are this worker's.
 
 import contextlib
 import inspect
+import itertools
 import logging
 import os
 import warnings
@@ -23,6 +24,7 @@ import keras
 from keras_dist import inputs, optimizer_hooks
 from keras_dist.logs import flat_logs, metric_results
 from keras_dist.callbacks import resume
+from keras_dist.callbacks.preemption import PreemptionNotice
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from keras_dist.strategies.base import GradientOptions, Strategy
 
 logger = logging.getLogger("keras_dist")
+# The fits this process ran: each fit of a script backed up by `--backup-dir` has its own backup.
+_FIT_CALLS = itertools.count()
 
 
 class DistributedTraining:
@@ -78,14 +82,25 @@ class DistributedTraining:
         arguments, script_callbacks = self._worker_args(self.keras_fit, args, kwargs)
         if self.strategy.reduces_in_keras_dist:
             self._choose_batch_logs(arguments["callbacks"])
+        call = next(_FIT_CALLS)
         backup = resume.backup_of(script_callbacks)
+        # Notices and resuming inside an epoch need Keras's loop (a parameter server's own
+        # loop resumes at the epoch).
+        keras_loop = self.strategy.runs_keras_loops
+        automatic = backup is None and keras_loop and resume.backup_directory() is not None
+        if automatic:
+            backup = resume.automatic_backup(call)
+            script_callbacks.append(backup)
+            arguments["callbacks"] += callbacks_for_this_worker([backup], self.strategy)
         if os.environ.get(RESTART, "0") != "0" and self.strategy.is_chief and backup is None:
             logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
-                           "so training starts over; add one to resume where the job failed", os.environ[RESTART])
-        # Resuming inside an epoch needs Keras's loop (a parameter server's own loop resumes at the epoch).
-        position = None
-        if backup is not None and self.strategy.runs_keras_loops:
-            position = resume.EpochPosition(seed=inputs.job_seed(self.strategy))
+                           "so training starts over; run with keras-dist launch --backup-dir DIR (or add one) to "
+                           "resume where the job failed", os.environ[RESTART])
+        position = resume.EpochPosition(seed=inputs.job_seed(self.strategy)) if backup and keras_loop else None
+        # One process without a backup keeps the signals' own effect, as without keras_dist.
+        notice = None
+        if keras_loop and (position is not None or self.strategy.size > 1):
+            notice = PreemptionNotice(self.strategy, resume.backup_seconds() if automatic else None)
         data, validation = inputs.fit(self.strategy, _read(arguments, "steps_per_epoch"), arguments["validation_data"],
                                       arguments["validation_split"], arguments["validation_batch_size"],
                                       arguments["validation_steps"], position, arguments["shuffle"])
@@ -100,8 +115,10 @@ class DistributedTraining:
         if position is not None:
             runs_backup = resume.backup_of(arguments["callbacks"])
             point = resume.ResumePoint(self.strategy, runs_backup or backup, position, script_callbacks,
-                                       runs_backup is not None)
-            arguments["callbacks"] = [point, *arguments["callbacks"], point.restore]
+                                       runs_backup is not None, notice)
+            arguments["callbacks"] = [point, *arguments["callbacks"], point.last]
+        if notice is not None:
+            arguments["callbacks"] = [notice, *arguments["callbacks"], notice.last]
         if self.strategy.size > 1:
             # First at each epoch end, before user callbacks save; last at the start, after they restore.
             arguments["callbacks"] = [ReplicaCheck(self.strategy), *arguments["callbacks"], SyncInitialState(self.strategy)]

@@ -4,8 +4,15 @@ A two-line script with `BackupAndRestore(save_freq=5)` (tests/workers/resume.py)
 uninterrupted, then killed (SIGKILL) at one step and run again, by `keras-dist launch
 --max-restarts 1` or by the test (one process, `horovodrun`, `torchrun`). The rerun must
 train exactly the steps after the last backup, in the same order, and end with the
-uninterrupted run's weights and logged epoch losses.
+uninterrupted run's weights and logged epoch losses. A preemption notice (SIGTERM to the
+launcher or to one task) must end the job with exit 143 within the grace period, the
+state saved at the step the tasks agreed on, and the rerun resume there exactly; with
+`--backup-dir` the script needs no `BackupAndRestore` of its own.
+
+Run with `-s` to see the seconds from each notice to the job's end.
 """
+
+import time
 
 import numpy as np
 import pytest
@@ -46,9 +53,11 @@ def run_killed_and_rerun(tmp_path, configuration, backend, data, kill_at, kill_r
     return reference, killed
 
 
-def assert_resumed_exactly(reference, killed, restored):
-    """The rerun resumed after global step `restored`, the last whole backup's, as uninterrupted."""
+def assert_resumed_exactly(reference, killed, restored=None):
+    """The rerun resumed after global step `restored`, the last whole backup's (None: wherever
+    it resumed), and ended as the uninterrupted run."""
     total = steps(reference)
+    restored = len(total) - len(steps(killed, "rerun")) if restored is None else restored
     assert len(total) == EPOCHS * int(total[-1].split()[1]) + EPOCHS
     assert len(steps(killed)) >= restored
     # The rerun trains exactly the steps after the last backup, in their places.
@@ -86,3 +95,60 @@ def test_one_process_killed_at_any_step_resumes_exactly(tmp_path, backend, data,
 def test_a_job_killed_mid_epoch_resumes_exactly(tmp_path, configuration, backend, data, kill_at, kill_rank, restored):
     reference, killed = run_killed_and_rerun(tmp_path, configuration, backend, data, kill_at, kill_rank)
     assert_resumed_exactly(reference, killed, restored)
+
+
+@pytest.mark.parametrize("backend, notice_to, extra", [
+    # The launcher passes the notice on; the script has no BackupAndRestore: --backup-dir's.
+    ("jax", "launcher", ("--no-backup",)),
+    # One task gets it (as the kubelet signals one pod); the others learn it at the next check.
+    ("torch", "self", ()),
+])
+def test_a_preemption_notice_saves_at_an_agreed_step_and_the_rerun_resumes_exactly(tmp_path, backend, notice_to,
+                                                                                   extra):
+    env = {"KERAS_BACKEND": backend}
+    reference, noticed = tmp_path / "reference", tmp_path / "noticed"
+    argv = ["data_loader" if backend == "torch" else "arrays", "--step-seconds", "0.05", *extra]
+    launch = [BIN / "keras-dist", "launch", "-n", 2]
+    for directory in (reference, noticed):
+        directory.mkdir()
+    backup_dir = ["--backup-dir", tmp_path / "backups"] if "--no-backup" in extra else []
+    code, out = runner.run([*launch, "--backup-dir", tmp_path / "reference-backups", WORKER, reference, *argv]
+                           if backup_dir else [*launch, WORKER, reference, *argv], 240, env)
+    assert code == 0, out[-3000:]
+    noticed_argv = [*launch, *backup_dir, WORKER, noticed, *argv, "--notice-at", 14, "--notice-to", notice_to,
+                    "--kill-rank", 1]
+    code, out = runner.run(noticed_argv, 240, env)
+    seconds = time.time() - float((noticed / "notice").read_text())
+    print(f"{backend}: SIGTERM to the {notice_to} at step 14: the job ended {seconds:.1f} s later, exit {code}")
+    assert code == 143, out[-3000:]
+    assert seconds < 30 and "saved in" in out, out[-3000:]
+    assert 14 <= len(steps(noticed)) < 36  # stopped at an agreed step after the notice, before the end
+    code, out = runner.run(noticed_argv, 240, env)
+    assert code == 0, out[-3000:]
+    assert_resumed_exactly(reference, noticed, len(steps(noticed)))
+
+
+def test_a_notice_with_nothing_to_save_ends_the_job_and_names_the_option(tmp_path):
+    argv = [BIN / "keras-dist", "launch", "-n", 2, WORKER, tmp_path, "arrays", "--no-backup", "--step-seconds",
+            "0.05", "--notice-at", 3, "--notice-to", "self", "--kill-rank", 1]
+    code, out = runner.run(argv, 240, {"KERAS_BACKEND": "jax"})
+    assert code == 143 and "--backup-dir" in out, out[-3000:]
+    assert len(steps(tmp_path)) < 36
+
+
+def test_backup_dir_with_max_restarts_resumes_a_killed_job_exactly(tmp_path):
+    """SIGKILL mid-epoch, no BackupAndRestore in the script: the backups every
+    KERAS_DIST_BACKUP_SECONDS and at each epoch's end are enough."""
+    env = {"KERAS_BACKEND": "torch", "KERAS_DIST_BACKUP_SECONDS": "0.2"}
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    for directory in (reference, killed):
+        directory.mkdir()
+    argv = ["arrays", "--no-backup", "--step-seconds", "0.05"]
+    launch = [BIN / "keras-dist", "launch", "-n", 2]
+    code, out = runner.run([*launch, "--backup-dir", tmp_path / "b0", WORKER, reference, *argv], 240, env)
+    assert code == 0, out[-3000:]
+    code, out = runner.run([*launch, "--max-restarts", 1, "--backup-dir", tmp_path / "b1", WORKER, killed, *argv,
+                            "--kill-at", 17, "--kill-rank", 1], 240, env)
+    assert code == 0, out[-3000:]
+    assert 12 <= len(steps(reference)) - len(steps(killed, "rerun")) <= 17
+    assert_resumed_exactly(reference, killed)

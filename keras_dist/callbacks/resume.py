@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
+from keras_dist.callbacks.preemption import PreemptionNotice
 from keras_dist.overrides import override
 
 if TYPE_CHECKING:
@@ -97,6 +98,34 @@ def backup_of(callbacks: list) -> keras.callbacks.BackupAndRestore | None:
                  if isinstance(c, keras.callbacks.BackupAndRestore)), None)
 
 
+# Where `keras-dist launch --backup-dir` backs up every fit of an unchanged script.
+BACKUP_DIR = "KERAS_DIST_BACKUP_DIR"
+# Seconds between those backups, besides each epoch's end and the preemption notice.
+BACKUP_SECONDS = "KERAS_DIST_BACKUP_SECONDS"
+# Five minutes: a hard failure (a host lost, out of memory: no notice) costs at most that
+# much training, while a backup of a large model (seconds to write) costs little of it.
+_DEFAULT_BACKUP_SECONDS = 300.0
+
+
+def backup_directory() -> str | None:
+    """The directory of automatic backups (`KERAS_DIST_BACKUP_DIR`), or None."""
+    return os.environ.get(BACKUP_DIR) or None
+
+
+def backup_seconds() -> float:
+    """The seconds between automatic backups inside an epoch (`KERAS_DIST_BACKUP_SECONDS`, default 300)."""
+    return float(os.environ.get(BACKUP_SECONDS) or _DEFAULT_BACKUP_SECONDS)
+
+
+def automatic_backup(call: int) -> keras.callbacks.BackupAndRestore:
+    """The backup of this process's `call`-th fit under `KERAS_DIST_BACKUP_DIR` (a script
+    without a `BackupAndRestore` of its own): at each epoch's end, every
+    `backup_seconds()` and at the preemption notice. It is kept when its fit ends, so that
+    a rerun does not train a finished fit again: it restores its last state instead."""
+    directory = os.path.join(backup_directory(), f"fit-{call}")
+    return keras.callbacks.BackupAndRestore(directory, save_freq="epoch", delete_checkpoint=False)
+
+
 class ResumePoint(keras.callbacks.Callback):
     """Saves and restores the position inside an epoch beside a `BackupAndRestore`.
 
@@ -117,12 +146,17 @@ class ResumePoint(keras.callbacks.Callback):
         position: the fit's `EpochPosition`, shared with its training input.
         callbacks: the fit's callbacks, whose counters are saved (`EarlyStopping`,
             `ReduceLROnPlateau`).
+        runs_backup: `backup` is this worker's, which saves (else it only gives the schedule).
+        notice: the fit's `PreemptionNotice`: at an agreed notice, or a time-based backup
+            it asks for, the backup saves (the notice then ends the process).
     """
 
     def __init__(self, strategy: "Strategy", backup: keras.callbacks.BackupAndRestore, position: EpochPosition,
-                 callbacks: list, runs_backup: bool) -> None:
+                 callbacks: list, runs_backup: bool, notice: PreemptionNotice) -> None:
         super().__init__()
         self.strategy, self.backup, self.position, self.runs_backup = strategy, backup, position, runs_backup
+        self.notice = notice
+        notice.saved_in = backup.backup_dir
         self.counting = _counting_callbacks(callbacks)
         self._restored_metrics: list | None = None
         self._restored_random: dict | None = None
@@ -138,9 +172,10 @@ class ResumePoint(keras.callbacks.Callback):
         override(backup, "_keras_dist_metadata", self.metadata)
 
     @property
-    def restore(self) -> keras.callbacks.Callback:
-        """The callback that restores, placed after the script's (its backup loads first)."""
-        return _Restore(self)
+    def last(self) -> keras.callbacks.Callback:
+        """Its part after the script's callbacks: the restore (the backup loads first) and the
+        save deferred to an epoch's end (their epoch-end counters counted first)."""
+        return _AfterScriptCallbacks(self)
 
     def restore_position(self) -> None:
         state = _read_metadata(self.backup) if self.strategy.is_chief else None
@@ -193,13 +228,17 @@ class ResumePoint(keras.callbacks.Callback):
             self._restored_random = None
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self.due(batch)
+        self.due(batch)  # the backup, later among the callbacks, saves where this is True
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         # After keras_dist's replica check (which averages BatchNormalization statistics),
         # before the script's callbacks: every process's part of an epoch-end save.
         if self.backup.save_freq == "epoch" or self._save_at_epoch_end:
-            self._snapshot = self._state(epoch + 1, 0)
+            self._snapshot = self._collective_state(epoch + 1, 0)
+            self.notice.backed_up()
+
+    def save_deferred(self, epoch: int) -> None:
+        """The save due after the epoch's last step, now at its end (after the script's callbacks)."""
         if self._save_at_epoch_end:
             self._save_at_epoch_end = False
             self.backup._current_epoch, self.backup._last_batch_seen = epoch + 1, 0
@@ -222,38 +261,47 @@ class ResumePoint(keras.callbacks.Callback):
         freq = self.backup.save_freq
         self._since_save += batch - self._last_step
         self._last_step = batch
-        self._due = freq != "epoch" and self._since_save >= freq
+        self._due = (freq != "epoch" and self._since_save >= freq) or self.notice.stopping or self.notice.backup_due
         if self._due:
             self._since_save = 0
+            self.notice.backed_up()
             if batch + 1 >= (self.params.get("steps") or batch + 2):
                 self._due, self._save_at_epoch_end = False, True
             else:
-                self._snapshot = self._state(self.position.epoch, batch + 1)
+                self._snapshot = self._collective_state(self.position.epoch, batch + 1)
                 self.backup._last_batch_seen = batch
+        self.notice.exit_deferred = self._save_at_epoch_end
         return self._due
 
     def metadata(self) -> dict:
-        """keras_dist's part of the metadata the chief's backup writes now."""
-        return self._snapshot
-
-    def _state(self, epoch: int, steps: int) -> dict:
+        """keras_dist's part of the metadata the chief's backup writes now: the snapshot's
+        collective part, and what the chief holds as every process does, read now (the
+        script's callbacks have counted this step or epoch)."""
         model = self.model  # on JAX, reading it brings the step's state into the variables
-        variables = [v for m in model.metrics for v in m.variables] if steps else []
-        metrics = self.strategy.global_metric_states(variables) if variables else []
-        return {"epoch": epoch, "steps": steps, "seed": self.position.seed,
-                "metrics": [np.asarray(m).tolist() for m in metrics], "seed_states": _seed_states(model),
-                "random_states": self.strategy.allgather_object(_global_random_states()),
+        return {**self._snapshot, "seed_states": _seed_states(model),
                 "callbacks": {name: {a: _plain(getattr(c, a)) for a in _CALLBACK_STATE[type(c)] if hasattr(c, a)}
                               for name, c in self.counting}}
 
+    def _collective_state(self, epoch: int, steps: int) -> dict:
+        """The position, and what differs from process to process, gathered (a collective)."""
+        model = self.model
+        variables = [v for m in model.metrics for v in m.variables] if steps else []
+        metrics = self.strategy.global_metric_states(variables) if variables else []
+        return {"epoch": epoch, "steps": steps, "seed": self.position.seed,
+                "metrics": [np.asarray(m).tolist() for m in metrics],
+                "random_states": self.strategy.allgather_object(_global_random_states())}
 
-class _Restore(keras.callbacks.Callback):
+
+class _AfterScriptCallbacks(keras.callbacks.Callback):
     def __init__(self, resume_point: ResumePoint) -> None:
         super().__init__()
         self.resume_point = resume_point
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.resume_point.restore_position()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.resume_point.save_deferred(epoch)
 
 
 def _read_metadata(backup: keras.callbacks.BackupAndRestore) -> dict | None:

@@ -2,8 +2,11 @@
 
 Launchers describe the tasks (`keras_dist.launchers.Launcher`); this module starts them,
 prefixes every output line with its task's name, and stops everything when one task
-fails, or the launcher gets Ctrl-C or SIGTERM. The exit code is the first failing
-task's, 128 + the signal for a task killed by one (as a shell reports it).
+fails, or the launcher gets Ctrl-C. The exit code is the first failing task's, 128 + the
+signal for a task killed by one (as a shell reports it). A SIGTERM or SIGUSR1 to the
+launcher (a preemption notice) is passed on to every task, which saves and exits
+(`keras_dist.callbacks.preemption`); tasks still running after the grace period, or at a
+second signal, are killed.
 
 Tasks never outlive the launcher, even a SIGKILLed one: each direct child gets a
 parent-death signal, and every process of the job (horovodrun's workers too) finds the
@@ -54,8 +57,12 @@ def _pump(stream, prefix, out):
 _CLUSTER_VARIABLES = ("TF_CONFIG", "HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "MPI_LOCALNRANKS", LAUNCHER_PID)
 
 
-def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: float = 0.2) -> int:
-    """Starts `tasks`, waits for all of them, returns the first failing exit code (or 0)."""
+def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: float = 0.2,
+              grace_seconds: float = 30.0) -> int:
+    """Starts `tasks`, waits for all of them, returns the first failing exit code (or 0).
+
+    `grace_seconds`: how long tasks get to exit after a notice passed on to them.
+    """
     out = out or sys.stdout
     inherited = sorted(k for k in os.environ if k.startswith(_CLUSTER_VARIABLES))
     if inherited:
@@ -63,7 +70,8 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
     base = {k: v for k, v in os.environ.items() if k not in inherited}
     procs, pumps = [], []
     terminate_with_parent = _parent_death_signal()
-    previous_handler = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
+    handled = _NOTICE_SIGNALS if threading.current_thread() is threading.main_thread() else ()
+    previous_handlers = {sig: signal.signal(sig, _interrupt) for sig in handled}
     try:
         for task in tasks:
             proc = subprocess.Popen(
@@ -101,14 +109,42 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
             time.sleep(poll_seconds)
     except KeyboardInterrupt as interrupt:
         sig = interrupt.args[0] if interrupt.args else signal.SIGINT
+        if sig in _NOTICE_SIGNALS:
+            return _pass_on_notice(sig, procs, grace_seconds, out)
         out.write(f"[keras-dist] {signal.Signals(sig).name}; stopping every task\n")
         return 128 + sig
     finally:
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         _stop(procs)
         for pump in pumps:
             pump.join(timeout=5)
+
+
+# Signals a launcher passes on as a preemption notice (SLURM's `--signal` often uses SIGUSR1).
+_NOTICE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+
+def _pass_on_notice(sig, procs, grace_seconds, out):
+    """Passes `sig` on to every task and waits up to `grace_seconds` for them to save and
+    exit; returns the tasks' exit code where they all exited alike, else 128 + `sig`."""
+    name = signal.Signals(sig).name
+    out.write(f"[keras-dist] {name}: passed on to every task, which saves and exits "
+              f"(killed in {grace_seconds:g} s, or at a second signal)\n")
+    for _, proc in procs:
+        if proc.poll() is None:
+            # The task's own process only: its helpers (DataLoader workers) end with it.
+            proc.send_signal(sig)
+    deadline = time.monotonic() + grace_seconds
+    try:
+        while time.monotonic() < deadline and any(proc.poll() is None for _, proc in procs):
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        out.write("[keras-dist] second signal: stopping every task now\n")
+    codes = {exit_code(proc.returncode) for _, proc in procs if proc.returncode is not None}
+    if len(codes) == 1 and all(proc.returncode is not None for _, proc in procs):
+        return codes.pop()
+    return 128 + sig
 
 
 def exit_code(returncode: int) -> int:

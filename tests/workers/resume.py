@@ -1,6 +1,7 @@
 """A two-line script with `BackupAndRestore(save_freq=args.save_freq)`, killed at one step and run again.
 
     python resume.py OUT_DIR INPUT [--kill-at STEP] [--kill-rank R] [--during-save] [--save-freq K]
+                     [--notice-at STEP --notice-to launcher|self] [--no-backup] [--step-seconds S]
 
 INPUT: arrays (shuffle=True), tf_data (a map with per-element work), py_dataset or
 data_loader (shuffle=True). 96 samples, batch 4 per replica, 3 epochs, a Dropout (its
@@ -10,12 +11,16 @@ OUT_DIR/result.npz. With --kill-at, rank R (default 0) is SIGKILLed after global
 STEP, on the job's first attempt only (a rerun by the launcher or the test goes on);
 steps go to OUT_DIR/steps.first on that attempt, OUT_DIR/steps.rerun on the next;
 with --during-save, inside the backup write that step makes (its weights written under
-their temporary name, not yet renamed).
+their temporary name, not yet renamed). With --notice-at, rank R sends SIGTERM after
+that step instead, to the launcher or to itself, and writes the time to OUT_DIR/notice.
+--no-backup leaves the script without a BackupAndRestore (`--backup-dir` gives one);
+--step-seconds slows each step, so that a notice meets a step still to come.
 """
 
 import argparse
 import os
 import signal
+import time
 
 import keras
 import numpy as np
@@ -29,11 +34,15 @@ parser.add_argument("--kill-at", type=int)
 parser.add_argument("--kill-rank", type=int, default=0)
 parser.add_argument("--during-save", action="store_true")
 parser.add_argument("--save-freq", type=int, default=5)
+parser.add_argument("--notice-at", type=int)
+parser.add_argument("--notice-to", choices=["launcher", "self"], default="self")
+parser.add_argument("--no-backup", action="store_true")
+parser.add_argument("--step-seconds", type=float, default=0.0)
 args = parser.parse_args()
 
 ctx = keras_dist.init()
-first_attempt = os.environ.get("KERAS_DIST_RESTART", "0") == "0" and not os.path.exists(
-    os.path.join(args.out, "killed"))
+first_attempt = os.environ.get("KERAS_DIST_RESTART", "0") == "0" and not any(
+    os.path.exists(os.path.join(args.out, name)) for name in ("killed", "notice"))
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(96, 6)).astype("float32")
@@ -84,6 +93,12 @@ class Steps(keras.callbacks.Callback):
                 f.write(f"{self.epoch} {batch}\n")
         if first_attempt and global_step == args.kill_at and ctx.rank == args.kill_rank and not args.during_save:
             kill()
+        if first_attempt and global_step == args.notice_at and ctx.rank == args.kill_rank:
+            with open(os.path.join(args.out, "notice"), "w") as f:
+                f.write(str(time.time()))
+            target = int(os.environ["KERAS_DIST_LAUNCHER_PID"]) if args.notice_to == "launcher" else os.getpid()
+            os.kill(target, signal.SIGTERM)
+        time.sleep(args.step_seconds)
 
 
 def kill():
@@ -108,7 +123,7 @@ if args.during_save and first_attempt and ctx.is_chief:
     object.__setattr__(model, "save_weights", save_then_die)
 
 history = model.fit(**make_input(), batch_size=None if args.input in ("tf_data", "py_dataset", "data_loader")
-                    else batch_size, epochs=3, verbose=0, callbacks=[backup, steps])
+                    else batch_size, epochs=3, verbose=0, callbacks=[steps] if args.no_backup else [backup, steps])
 if ctx.is_chief:
     np.savez(os.path.join(args.out, "result.npz"), loss=np.asarray(history.history["loss"]),
              *[np.asarray(w) for w in model.get_weights()])

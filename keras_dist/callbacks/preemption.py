@@ -1,0 +1,157 @@
+"""A save at the preemption notice: SIGTERM or SIGUSR1 ends `fit` at a step every process agrees on.
+
+Spot and preemptible VMs, Kubernetes evictions and SLURM (`--signal`) send SIGTERM (or a
+chosen signal, often SIGUSR1) and kill a grace period later (30 s by default on
+Kubernetes). The signal may reach one task (the kubelet signals each pod; SLURM each
+step) or the launcher, which passes it on to every task. A task that gets it only notes
+it: the tasks then agree, at the next check, on the step to stop after, so no collective
+is left half-done. There the chief writes a backup (where `fit` has one:
+`keras_dist.callbacks.resume`) and every task exits with `PREEMPTED_EXIT_CODE`. A second
+signal ends the task at once, as without keras_dist.
+
+The check is one small collective, run every step at first and then about once a second
+(the chief measures the step time and sets the next check's step for all), so that a
+notice costs at most a second of training before the save begins, and fast steps pay
+for one collective a second only.
+"""
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import keras
+import numpy as np
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
+
+logger = logging.getLogger("keras_dist")
+
+# The exit code of a task stopped at a notice: 128 + SIGTERM, as a shell and Kubernetes
+# report a process SIGTERM ended (a restartable stop), whichever signal came.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else (signal.SIGTERM,)
+# Seconds of training between two checks, once the step time is known.
+_CHECK_SECONDS = 1.0
+
+
+class PreemptionNotice(keras.callbacks.Callback):
+    """Notes SIGTERM and SIGUSR1 during `fit`; the processes agree on the step to stop after.
+
+    keras_dist adds it first among `fit`'s callbacks, on every process. Its handlers are
+    set for the duration of `fit` only, on the main thread; outside `fit` a signal acts
+    as it would without keras_dist.
+
+    Args:
+        strategy: the active keras_dist strategy.
+        backup_seconds: where set (the backups of `--backup-dir`), the chief also asks
+            for a backup once this many seconds have passed since the last one.
+    """
+
+    def __init__(self, strategy: "Strategy", backup_seconds: float | None = None) -> None:
+        super().__init__()
+        self.strategy, self.backup_seconds = strategy, backup_seconds
+        self.received: int | None = None  # the signal noted here
+        self.stopping = False  # agreed: stop after this step
+        self.backup_due = False  # agreed: back up after this step (the chief's clock)
+        # Where the backup at the agreed step goes (`ResumePoint`); None: nothing is saved.
+        self.saved_in: str | None = None
+        # The agreed step was an epoch's last: the save, and the exit, come at its end.
+        self.exit_deferred = False
+        self._previous: dict = {}
+        self._steps = 0
+        self._next_check = 1
+        self._last_check = (0, time.monotonic())
+        self._last_backup = time.monotonic()
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.received, self.stopping = None, False
+        self._steps, self._next_check = 0, 1
+        self._last_check, self._last_backup = (0, time.monotonic()), time.monotonic()
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._note) for sig in NOTICE_SIGNALS}
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _note(self, signum: int, frame: object) -> None:
+        if self.received is not None:  # a second signal: at once, as without keras_dist
+            self._restore_handlers()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+        sys.stderr.write(f"keras_dist: {signal.Signals(signum).name} received; training stops after an agreed "
+                         "step and saves\n")
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.backup_due = False
+        self._steps += 1
+        if self._steps < self._next_check:
+            return
+        steps, started = self._last_check
+        now = time.monotonic()
+        interval = 0
+        if self.strategy.is_chief:
+            per_step = (now - started) / max(1, self._steps - steps)
+            interval = int(np.clip(_CHECK_SECONDS / max(per_step, 1e-6), 1, 10_000))
+            time_due = self.backup_seconds is not None and now - self._last_backup >= self.backup_seconds
+        else:
+            time_due = False
+        noticed, due, interval = self.strategy.sum_arrays(
+            [np.array([self.received is not None, time_due, interval], dtype=np.float64)])[0]
+        self._last_check = (self._steps, now)
+        self._next_check = self._steps + int(interval)
+        self.stopping, self.backup_due = bool(noticed), bool(due)
+
+    def backed_up(self) -> None:
+        """Restarts the clock of time-based backups."""
+        self._last_backup = time.monotonic()
+
+    @property
+    def last(self) -> keras.callbacks.Callback:
+        """Its part after every other callback: ends the process once the agreed step (or
+        its epoch, where the save waits for the epoch's end) is done and saved."""
+        return _ExitAtAgreedStep(self)
+
+    def exit(self) -> None:
+        """Ends this process after the agreed step, with `PREEMPTED_EXIT_CODE`."""
+        self._restore_handlers()
+        if self.strategy.is_chief:
+            if self.saved_in:
+                logger.warning("keras_dist: stopped at the preemption notice; the state is saved in %s and the next "
+                               "run resumes there (exit %s)", self.saved_in, PREEMPTED_EXIT_CODE)
+            else:
+                logger.warning("keras_dist: stopped at the preemption notice, with nothing saved: run with "
+                               "keras-dist launch --backup-dir DIR (or KERAS_DIST_BACKUP_DIR) to resume from here "
+                               "(exit %s)", PREEMPTED_EXIT_CODE)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+class _ExitAtAgreedStep(keras.callbacks.Callback):
+    def __init__(self, notice: PreemptionNotice) -> None:
+        super().__init__()
+        self.notice = notice
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.notice.stopping and not self.notice.exit_deferred:
+            self.notice.exit()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.notice.stopping:
+            self.notice.exit()
+
+
+def grace_seconds() -> float:
+    """The seconds a launcher waits for its tasks after passing on a notice (`KERAS_DIST_GRACE_SECONDS`)."""
+    return float(os.environ.get("KERAS_DIST_GRACE_SECONDS", "30"))
