@@ -41,15 +41,16 @@ case "${1:-}" in
       exec .venv/bin/python -m pytest "$@"
     fi
     # The whole suite: the multi-host tests (tests/test_hosts.py) run beside the rest, and
-    # Keras's own test files after them in the same pytest. The hosts tests mostly wait (for
-    # timeouts, on simulated hosts of one core each), so side by side the suite ends sooner.
-    beside="tests/test_hosts.py tests/test_keras_suites.py"
+    # Keras's own test files and the kill-and-resume runs after them in the same pytest. The
+    # hosts tests mostly wait (for timeouts, on simulated hosts of one core each), so side by
+    # side the suite ends sooner.
+    beside="tests/test_hosts.py tests/test_keras_suites.py tests/test_resume.py"
     hosts_log=$(mktemp)
     .venv/bin/python -m pytest -p no:cacheprovider $beside > "$hosts_log" 2>&1 &
     hosts=$!
     # errexit applies inside the trap too: a kill of the already-ended pytest must not fail the run.
     trap 'kill "$hosts" 2>/dev/null || true; rm -f "$hosts_log"' EXIT
-    rest=0; .venv/bin/python -m pytest --ignore=tests/test_hosts.py --ignore=tests/test_keras_suites.py || rest=$?
+    rest=0; .venv/bin/python -m pytest $(printf -- '--ignore=%s ' $beside) || rest=$?
     hosts_status=0; wait "$hosts" || hosts_status=$?
     echo "=== $beside (ran beside the rest) ==="
     cat "$hosts_log"

@@ -116,7 +116,10 @@ def _alive(pid):
 @pytest.mark.parametrize("backend", ["horovod", "multi_worker_mirrored"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_tasks_never_outlive_their_launcher(tmp_path, backend, sig):
-    launcher = start([BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, FAULTS, "idle", tmp_path])
+    # SIGTERM is a preemption notice, passed on to tasks that get --grace-period seconds to
+    # save and exit; these idle tasks do not (TensorFlow's coordination service takes SIGTERM).
+    launcher = start([BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, "--grace-period", 5, FAULTS, "idle",
+                      tmp_path])
     try:
         pids = _job_pids(tmp_path, 2, time.monotonic() + 120)
         launcher.send_signal(sig)
@@ -166,7 +169,10 @@ def test_a_local_job_listens_on_loopback_only(tmp_path, backend):
     # the loopback library; Horovod's Gloo store is served by the launcher itself.
     if backend != "horovod":
         pytest.importorskip(backend)
-    launcher = start([BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, FAULTS, "idle", tmp_path])
+    # SIGTERM is a preemption notice, passed on to tasks that get --grace-period seconds to
+    # save and exit; these idle tasks do not (TensorFlow's coordination service takes SIGTERM).
+    launcher = start([BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, "--grace-period", 5, FAULTS, "idle",
+                      tmp_path])
     try:
         pids = _job_pids(tmp_path, 2, time.monotonic() + 120)
         time.sleep(1)  # rank 0 wrote its pid once its process group had started; let rank 1's settle too

@@ -3,7 +3,6 @@ or by torch.distributed (gloo both), against one process at the global batch."""
 
 import os
 
-import numpy as np
 import pytest
 
 from runner import BIN, PYTHON, WORKERS, assert_trains_like, horovodrun, load, run
@@ -83,22 +82,6 @@ def test_compiling_again_after_freezing_a_layer(tmp_path, keras_backend):
         result = load(tmp_path / "distributed", rank)
         assert "recompiled_loss" in result["history"]
         assert_trains_like(result, reference)
-
-
-def test_a_killed_process_ends_the_job_and_the_rerun_resumes(tmp_path, keras_backend):
-    reference = single(keras_backend, tmp_path / "single", "--batch", 16, "--epochs", 3)
-    out_dir = tmp_path / "distributed"
-    code, out = launch(keras_backend, out_dir, "--batch", 8, "--epochs", 3, "--callbacks", "--kill-rank", 1,
-                       "--kill-epoch", 1)
-    assert code == 128 + 9, out[-3000:]  # the launcher reports the killed task and stops the other
-    assert os.path.isdir(out_dir / "backup")
-    code, out = launch(keras_backend, out_dir, "--batch", 8, "--epochs", 3, "--callbacks")
-    assert code == 0, out[-4000:]
-    for rank in range(2):
-        result = load(out_dir, rank)
-        assert len(result["history"]["loss"]) < 3  # resumed after the last backed-up epoch, on every process
-        for got, want in zip(result["weights"], reference["weights"]):
-            np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
 
 
 def test_import_and_detection_need_no_tensorflow(keras_backend):

@@ -32,25 +32,37 @@ def steps(directory, attempt="first"):
 
 def command(configuration, argv):
     if configuration == "launch_2":
-        return [BIN / "keras-dist", "launch", "-n", 2, "--max-restarts", 1, *argv]
-    return runner.configuration_command(configuration, [WORKER, *argv[1:]]) if configuration != "one" else \
-        [PYTHON, *argv]
+        return [BIN / "keras-dist", "launch", "-n", 2, *argv]
+    return runner.configuration_command(configuration, argv) if configuration != "one" else [PYTHON, *argv]
 
 
-def run_killed_and_rerun(tmp_path, configuration, backend, data, kill_at, kill_rank=0, extra=()):
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The uninterrupted run of a (configuration, backend, input), made once for the tests
+    that share it. Backed up by the script's BackupAndRestore: where keras_dist orders the
+    epochs, the order depends on the seed and the epoch only, not on the backup's schedule."""
+    made = {}
+
+    def reference(configuration, backend, data):
+        key = (configuration, backend, data)
+        if key not in made:
+            directory = tmp_path_factory.mktemp("reference")
+            code, out = runner.run(command(configuration, [WORKER, directory, data]), 240, {"KERAS_BACKEND": backend})
+            assert code == 0, out[-3000:]
+            made[key] = directory
+        return made[key]
+
+    return reference
+
+
+def run_killed_and_rerun(directory, configuration, backend, argv):
+    """Runs the worker with `argv` (killed at some step), then runs it again."""
+    directory.mkdir()
     env = {"KERAS_BACKEND": backend}
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    reference.mkdir()
-    killed.mkdir()
-    code, out = runner.run(command(configuration, [WORKER, reference, data, *extra]), 240, env)
+    code, out = runner.run(command(configuration, [WORKER, directory, *argv]), 240, env)
+    assert code != 0 and (directory / "killed").exists(), out[-3000:]
+    code, out = runner.run(command(configuration, [WORKER, directory, *argv]), 240, env)
     assert code == 0, out[-3000:]
-    argv = [WORKER, killed, data, "--kill-at", kill_at, "--kill-rank", kill_rank, *extra]
-    code, out = runner.run(command(configuration, argv), 240, env)
-    if configuration != "launch_2":  # the launcher restarted the job itself
-        assert code != 0 and (killed / "killed").exists(), out[-3000:]
-        code, out = runner.run(command(configuration, argv), 240, env)
-    assert code == 0, out[-3000:]
-    return reference, killed
 
 
 def assert_resumed_exactly(reference, killed, restored=None):
@@ -73,59 +85,60 @@ def assert_resumed_exactly(reference, killed, restored=None):
 # One process: 24 steps an epoch, a backup every 5 steps (every 4 with --save-freq 4).
 @pytest.mark.parametrize("backend, data, kill_at, extra, restored", [
     ("jax", "arrays", 30, (), 30),                            # mid-epoch, shuffled arrays
-    ("torch", "data_loader", 30, (), 30),                     # a shuffling DataLoader
-    ("tensorflow", "tf_data", 25, (), 25),                    # the first step of an epoch; a map read again
-    ("jax", "py_dataset", 30, ("--during-save",), 25),        # during the backup's write
+    ("torch", "data_loader", 25, (), 25),                     # the first step of an epoch; a shuffling DataLoader
+    ("tensorflow", "tf_data", 30, ("--during-save",), 25),    # during the backup's write; a map read again
     # Due after the epoch's last step, the backup is taken at the epoch's end: the rerun
     # starts the next epoch.
     ("torch", "arrays", 25, ("--save-freq", "4"), 24),
 ])
-def test_one_process_killed_at_any_step_resumes_exactly(tmp_path, backend, data, kill_at, extra, restored):
-    reference, killed = run_killed_and_rerun(tmp_path, "one", backend, data, kill_at, extra=extra)
-    assert_resumed_exactly(reference, killed, restored)
+def test_one_process_killed_at_any_step_resumes_exactly(tmp_path, references, backend, data, kill_at, extra,
+                                                        restored):
+    killed = tmp_path / "killed"
+    run_killed_and_rerun(killed, "one", backend, [data, "--kill-at", kill_at, *extra])
+    assert_resumed_exactly(references("one", backend, data), killed, restored)
 
 
 # Two processes: 12 steps an epoch.
 @pytest.mark.parametrize("configuration, backend, data, kill_at, kill_rank, restored", [
-    ("launch_2", "jax", "arrays", 14, 1, 10),
-    ("launch_2", "torch", "data_loader", 17, 0, 15),
-    ("torchrun_2", "torch", "py_dataset", 14, 1, 10),
-    ("horovod_2", "tensorflow", "arrays", 14, 1, 10),
+    ("launch_2", "jax", "arrays", 14, 1, 10),                 # restarted by --max-restarts
+    ("torchrun_2", "torch", "py_dataset", 14, 1, 10),         # rerun by the test
+    ("horovod_2", "tensorflow", "arrays", 17, 0, 15),
 ])
-def test_a_job_killed_mid_epoch_resumes_exactly(tmp_path, configuration, backend, data, kill_at, kill_rank, restored):
-    reference, killed = run_killed_and_rerun(tmp_path, configuration, backend, data, kill_at, kill_rank)
-    assert_resumed_exactly(reference, killed, restored)
+def test_a_job_killed_mid_epoch_resumes_exactly(tmp_path, references, configuration, backend, data, kill_at,
+                                                kill_rank, restored):
+    killed = tmp_path / "killed"
+    argv = [data, "--kill-at", kill_at, "--kill-rank", kill_rank]
+    if configuration == "launch_2":
+        killed.mkdir()
+        code, out = runner.run([BIN / "keras-dist", "launch", "-n", 2, "--max-restarts", 1, WORKER, killed, *argv],
+                               240, {"KERAS_BACKEND": backend})
+        assert code == 0, out[-3000:]
+    else:
+        run_killed_and_rerun(killed, configuration, backend, argv)
+    assert_resumed_exactly(references(configuration, backend, data), killed, restored)
 
 
-@pytest.mark.parametrize("backend, notice_to, extra", [
+@pytest.mark.parametrize("backend, data, notice_to, extra", [
     # The launcher passes the notice on; the script has no BackupAndRestore: --backup-dir's.
-    ("jax", "launcher", ("--no-backup",)),
+    ("jax", "arrays", "launcher", ("--no-backup",)),
     # One task gets it (as the kubelet signals one pod); the others learn it at the next check.
-    ("torch", "self", ()),
+    ("torch", "data_loader", "self", ()),
 ])
-def test_a_preemption_notice_saves_at_an_agreed_step_and_the_rerun_resumes_exactly(tmp_path, backend, notice_to,
-                                                                                   extra):
+def test_a_preemption_notice_saves_at_an_agreed_step_and_the_rerun_resumes_exactly(tmp_path, references, backend,
+                                                                                   data, notice_to, extra):
+    noticed = tmp_path / "noticed"
+    argv = [data, "--step-seconds", "0.05", "--notice-at", 14, "--notice-to", notice_to, "--kill-rank", 1, *extra]
+    launch = ["--backup-dir", tmp_path / "backups"] if "--no-backup" in extra else []
+    noticed.mkdir()
     env = {"KERAS_BACKEND": backend}
-    reference, noticed = tmp_path / "reference", tmp_path / "noticed"
-    argv = ["data_loader" if backend == "torch" else "arrays", "--step-seconds", "0.05", *extra]
-    launch = [BIN / "keras-dist", "launch", "-n", 2]
-    for directory in (reference, noticed):
-        directory.mkdir()
-    backup_dir = ["--backup-dir", tmp_path / "backups"] if "--no-backup" in extra else []
-    code, out = runner.run([*launch, "--backup-dir", tmp_path / "reference-backups", WORKER, reference, *argv]
-                           if backup_dir else [*launch, WORKER, reference, *argv], 240, env)
-    assert code == 0, out[-3000:]
-    noticed_argv = [*launch, *backup_dir, WORKER, noticed, *argv, "--notice-at", 14, "--notice-to", notice_to,
-                    "--kill-rank", 1]
-    code, out = runner.run(noticed_argv, 240, env)
+    code, out = runner.run([BIN / "keras-dist", "launch", "-n", 2, *launch, WORKER, noticed, *argv], 240, env)
     seconds = time.time() - float((noticed / "notice").read_text())
     print(f"{backend}: SIGTERM to the {notice_to} at step 14: the job ended {seconds:.1f} s later, exit {code}")
-    assert code == 143, out[-3000:]
-    assert seconds < 30 and "saved in" in out, out[-3000:]
+    assert code == 143 and seconds < 30 and "saved in" in out, out[-3000:]
     assert 14 <= len(steps(noticed)) < 36  # stopped at an agreed step after the notice, before the end
-    code, out = runner.run(noticed_argv, 240, env)
+    code, out = runner.run([BIN / "keras-dist", "launch", "-n", 2, *launch, WORKER, noticed, *argv], 240, env)
     assert code == 0, out[-3000:]
-    assert_resumed_exactly(reference, noticed, len(steps(noticed)))
+    assert_resumed_exactly(references("launch_2", backend, data), noticed, len(steps(noticed)))
 
 
 def test_a_notice_with_nothing_to_save_ends_the_job_and_names_the_option(tmp_path):
@@ -136,19 +149,15 @@ def test_a_notice_with_nothing_to_save_ends_the_job_and_names_the_option(tmp_pat
     assert len(steps(tmp_path)) < 36
 
 
-def test_backup_dir_with_max_restarts_resumes_a_killed_job_exactly(tmp_path):
+def test_backup_dir_with_max_restarts_resumes_a_killed_job_exactly(tmp_path, references):
     """SIGKILL mid-epoch, no BackupAndRestore in the script: the backups every
     KERAS_DIST_BACKUP_SECONDS and at each epoch's end are enough."""
-    env = {"KERAS_BACKEND": "torch", "KERAS_DIST_BACKUP_SECONDS": "0.2"}
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    for directory in (reference, killed):
-        directory.mkdir()
-    argv = ["arrays", "--no-backup", "--step-seconds", "0.05"]
-    launch = [BIN / "keras-dist", "launch", "-n", 2]
-    code, out = runner.run([*launch, "--backup-dir", tmp_path / "b0", WORKER, reference, *argv], 240, env)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    argv = [BIN / "keras-dist", "launch", "-n", 2, "--max-restarts", 1, "--backup-dir", tmp_path / "backups", WORKER,
+            killed, "data_loader", "--no-backup", "--step-seconds", "0.05", "--kill-at", 17, "--kill-rank", 1]
+    code, out = runner.run(argv, 240, {"KERAS_BACKEND": "torch", "KERAS_DIST_BACKUP_SECONDS": "0.2"})
     assert code == 0, out[-3000:]
-    code, out = runner.run([*launch, "--max-restarts", 1, "--backup-dir", tmp_path / "b1", WORKER, killed, *argv,
-                            "--kill-at", 17, "--kill-rank", 1], 240, env)
-    assert code == 0, out[-3000:]
+    reference = references("launch_2", "torch", "data_loader")
     assert 12 <= len(steps(reference)) - len(steps(killed, "rerun")) <= 17
     assert_resumed_exactly(reference, killed)
