@@ -31,10 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 WORKER = WORKERS / "fault_matrix.py"
 
 # (fault, moment, rank). Run i resumes at epoch i and meets its fault in epoch i + 1.
+# (A kill mid-epoch: tests/test_resume.py, exact to the step; a freeze mid-epoch:
+# tests/test_hosts.py, a frozen host.)
 CHAIN = [
-    ("kill", "mid_epoch", 1),
     ("kill", "save", 0),
-    ("freeze", "mid_epoch", 1),
     ("freeze", "evaluate", 0),
 ]
 EPOCHS = len(CHAIN) + 2

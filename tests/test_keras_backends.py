@@ -3,6 +3,7 @@ or by torch.distributed (gloo both), against one process at the global batch."""
 
 import os
 
+import numpy as np
 import pytest
 
 from runner import BIN, PYTHON, WORKERS, assert_trains_like, horovodrun, load, run

@@ -84,8 +84,7 @@ def assert_resumed_exactly(reference, killed, restored=None):
 
 # One process: 24 steps an epoch, a backup every 5 steps (every 4 with --save-freq 4).
 @pytest.mark.parametrize("backend, data, kill_at, extra, restored", [
-    ("jax", "arrays", 30, (), 30),                            # mid-epoch, shuffled arrays
-    ("torch", "data_loader", 25, (), 25),                     # the first step of an epoch; a shuffling DataLoader
+    # (Mid-epoch kills of shuffled arrays and DataLoaders: the two-process cases below.)
     ("tensorflow", "tf_data", 30, ("--during-save",), 25),    # during the backup's write; a map read again
     # Due after the epoch's last step, the backup is taken at the epoch's end: the rerun
     # starts the next epoch.
@@ -127,15 +126,16 @@ def test_a_job_killed_mid_epoch_resumes_exactly(tmp_path, references, configurat
 def test_a_preemption_notice_saves_at_an_agreed_step_and_the_rerun_resumes_exactly(tmp_path, references, backend,
                                                                                    data, notice_to, extra):
     noticed = tmp_path / "noticed"
-    argv = [data, "--step-seconds", "0.05", "--notice-at", 14, "--notice-to", notice_to, "--kill-rank", 1, *extra]
+    # Steps slowed so the notice meets steps still to come: checks come about once a second.
+    argv = [data, "--step-seconds", "0.1", "--notice-at", 4, "--notice-to", notice_to, "--kill-rank", 1, *extra]
     launch = ["--backup-dir", tmp_path / "backups"] if "--no-backup" in extra else []
     noticed.mkdir()
     env = {"KERAS_BACKEND": backend}
     code, out = runner.run([BIN / "keras-dist", "launch", "-n", 2, *launch, WORKER, noticed, *argv], 240, env)
     seconds = time.time() - float((noticed / "notice").read_text())
-    print(f"{backend}: SIGTERM to the {notice_to} at step 14: the job ended {seconds:.1f} s later, exit {code}")
+    print(f"{backend}: SIGTERM to the {notice_to} at step 4: the job ended {seconds:.1f} s later, exit {code}")
     assert code == 143 and seconds < 30 and "saved in" in out, out[-3000:]
-    assert 14 <= len(steps(noticed)) < 36  # stopped at an agreed step after the notice, before the end
+    assert 4 <= len(steps(noticed)) < 36  # stopped at an agreed step after the notice, before the end
     code, out = runner.run([BIN / "keras-dist", "launch", "-n", 2, *launch, WORKER, noticed, *argv], 240, env)
     assert code == 0, out[-3000:]
     assert_resumed_exactly(references("launch_2", backend, data), noticed, len(steps(noticed)))
@@ -161,3 +161,35 @@ def test_backup_dir_with_max_restarts_resumes_a_killed_job_exactly(tmp_path, ref
     reference = references("launch_2", "torch", "data_loader")
     assert 12 <= len(steps(reference)) - len(steps(killed, "rerun")) <= 17
     assert_resumed_exactly(reference, killed)
+
+
+def trained_samples(directory, attempt, epoch, before_step=None):
+    """The sample ids every rank trained in `epoch` (before step `before_step`), from the worker's records."""
+    ids = []
+    for path in sorted(directory.glob(f"samples.{attempt}.*")):
+        for line in path.read_text().splitlines():
+            record_epoch, step, *samples = map(int, line.split())
+            if record_epoch == epoch and (before_step is None or step < before_step):
+                ids += samples
+    return sorted(ids)
+
+
+@pytest.mark.parametrize("first, rerun, kill_at, epoch, steps_done", [
+    ("launch_2", "one", 14, 0, 10),   # 2 -> 1: the backup after 10 of epoch 1's 12 steps
+    ("one", "launch_2", 30, 1, 6),    # 1 -> 2: after 6 of epoch 2's 24 steps
+])
+def test_a_backup_restores_on_another_process_count_training_each_sample_once(tmp_path, first, rerun, kill_at,
+                                                                             epoch, steps_done):
+    """The batch size per replica stays; the rest of the interrupted epoch's order is split
+    among the processes of the rerun, so no sample is skipped or trained twice (by ids)."""
+    argv = [WORKER, tmp_path, "arrays", "--record-samples", "--kill-at", kill_at]
+    env = {"KERAS_BACKEND": "torch"}
+    code, out = runner.run(command(first, argv), 240, env)
+    assert code != 0 and (tmp_path / "killed").exists(), out[-3000:]
+    code, out = runner.run(command(rerun, argv), 240, env)
+    assert code == 0, out[-3000:]
+    everything = list(range(96))
+    assert sorted(trained_samples(tmp_path, "first", epoch, steps_done) +
+                  trained_samples(tmp_path, "rerun", epoch)) == everything
+    for later in range(epoch + 1, EPOCHS):
+        assert trained_samples(tmp_path, "rerun", later) == everything

@@ -10,9 +10,9 @@ is left half-done. There the chief writes a backup (where `fit` has one:
 signal ends the task at once, as without keras_dist.
 
 The check is one small collective, run every step at first and then about once a second
-(the chief measures the step time and sets the next check's step for all), so that a
-notice costs at most a second of training before the save begins, and fast steps pay
-for one collective a second only.
+(the chief measures the step time and sets the next check's step for all, the interval
+at most doubling from one check to the next), so that a notice costs about a second of
+training before the save begins, and fast steps pay for one collective a second only.
 """
 
 import logging
@@ -65,12 +65,13 @@ class PreemptionNotice(keras.callbacks.Callback):
         self._previous: dict = {}
         self._steps = 0
         self._next_check = 1
+        self._interval = 1
         self._last_check = (0, time.monotonic())
         self._last_backup = time.monotonic()
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.received, self.stopping = None, False
-        self._steps, self._next_check = 0, 1
+        self._steps, self._next_check, self._interval = 0, 1, 1
         self._last_check, self._last_backup = (0, time.monotonic()), time.monotonic()
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._note) for sig in NOTICE_SIGNALS}
@@ -102,14 +103,16 @@ class PreemptionNotice(keras.callbacks.Callback):
         interval = 0
         if self.strategy.is_chief:
             per_step = (now - started) / max(1, self._steps - steps)
-            interval = int(np.clip(_CHECK_SECONDS / max(per_step, 1e-6), 1, 10_000))
+            # Doubling at most from one check to the next: first steps can be faster than
+            # the ones that follow (an eager step before the input pipeline fills).
+            interval = int(np.clip(_CHECK_SECONDS / max(per_step, 1e-6), 1, 2 * self._interval))
             time_due = self.backup_seconds is not None and now - self._last_backup >= self.backup_seconds
         else:
             time_due = False
         noticed, due, interval = self.strategy.sum_arrays(
             [np.array([self.received is not None, time_due, interval], dtype=np.float64)])[0]
-        self._last_check = (self._steps, now)
-        self._next_check = self._steps + int(interval)
+        self._last_check, self._interval = (self._steps, now), int(interval)
+        self._next_check = self._steps + self._interval
         self.stopping, self.backup_due = bool(noticed), bool(due)
 
     def backed_up(self) -> None:

@@ -34,6 +34,7 @@ import keras
 import numpy as np
 
 from keras_dist.callbacks.preemption import PreemptionNotice
+from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override
 
 if TYPE_CHECKING:
@@ -58,22 +59,34 @@ class EpochPosition:
         seed: the job's seed for the epochs' orders, the same on every process.
         epoch: the epoch under way.
         resume_epoch: the epoch a restarted fit resumes inside (-1: none).
-        skip: the steps of `resume_epoch` done before the restart.
-        sources_skip: the training input starts `resume_epoch` at step `skip` itself;
+        skip: the steps of `resume_epoch` that Keras's loop leaves out (those done before
+            the restart, counted on this run's process count).
+        skip_samples: the samples of `resume_epoch`'s order done before the restart.
+        sources_skip: the training input starts `resume_epoch` after them itself;
             otherwise the consumed batches are read and dropped.
+        resizable: the training input can resume on another number of processes (it
+            splits the rest of the epoch's order anew: `keras_dist.inputs.arrays.EpochRows`).
+        step_samples: the samples one step takes over all processes, where known.
     """
 
     seed: int
     epoch: int = 0
     resume_epoch: int = -1
     skip: int = 0
+    skip_samples: int = 0
     sources_skip: bool = False
+    resizable: Any = None
+    step_samples: int | None = None
     # Iterations over the training input begun since training began (`next_iteration`).
     iterations: int = 0
 
     def first_step(self, epoch: int) -> int:
         """The step `epoch` starts at: `skip` in the epoch resumed, else 0."""
         return self.skip if epoch == self.resume_epoch else 0
+
+    def first_sample(self, epoch: int) -> int:
+        """The place in `epoch`'s order it starts at: `skip_samples` in the epoch resumed, else 0."""
+        return self.skip_samples if epoch == self.resume_epoch else 0
 
     def order(self, epoch: int, length: int) -> np.ndarray:
         """Epoch `epoch`'s permutation of `length` samples (or batches): a function of the seed and epoch alone."""
@@ -188,7 +201,21 @@ class ResumePoint(keras.callbacks.Callback):
             return
         position.seed = state["seed"]
         epoch, steps = state["epoch"], state["steps"]
+        shards = self.strategy.input_plan.num_shards
         position.resume_epoch, position.skip = epoch, steps
+        if state.get("shards", shards) != shards:
+            if position.resizable is None or state.get("samples") is None:
+                raise KerasDistError(
+                    f"the backup in {self.backup.backup_dir} was written by {state['shards']} processes; resume it on "
+                    f"{state['shards']} (on another number, keras_dist resumes only arrays that fit shuffles)")
+            position.skip_samples = state["samples"]
+            position.skip = position.resizable.steps - position.resizable.steps_after(state["samples"])
+            if self.strategy.is_chief:
+                logger.info("keras_dist: the backup was written by %s processes, this run has %s: the batch size per "
+                            "replica stays, the rest of epoch %s (%s samples) is split among them",
+                            state["shards"], shards, epoch + 1, position.resizable.length - state["samples"])
+        elif state.get("samples") is not None:
+            position.skip_samples = state["samples"]
         self.model._initial_epoch = epoch
         self._last_step = steps - 1
         self._restored_metrics = state["metrics"] if steps else None
@@ -287,7 +314,11 @@ class ResumePoint(keras.callbacks.Callback):
         model = self.model
         variables = [v for m in model.metrics for v in m.variables] if steps else []
         metrics = self.strategy.global_metric_states(variables) if variables else []
+        step_samples = self.position.step_samples
         return {"epoch": epoch, "steps": steps, "seed": self.position.seed,
+                "shards": self.strategy.input_plan.num_shards,
+                "samples": None if step_samples is None else
+                self.position.first_sample(epoch) + (steps - self.position.first_step(epoch)) * step_samples,
                 "metrics": [np.asarray(m).tolist() for m in metrics],
                 "random_states": self.strategy.allgather_object(_global_random_states())}
 

@@ -90,9 +90,11 @@ class EpochRows(keras.utils.PyDataset):
 
     Keras's array adapter shuffles with its backend's global random state, which a
     restarted process cannot bring back. Here epoch e's order is `position.order(e)`, of
-    the seed and the epoch alone: the global permutation is split as `shard_rows` splits
-    the rows (so N replicas at batch B still see what one process at N*B does), and the
-    epoch resumed starts at its next batch without reading the ones before.
+    the seed and the epoch alone, split as `shard_rows` splits rows (so N replicas at batch
+    B still see what one process at N*B does). The epoch resumed goes on after the samples
+    done (`EpochPosition.first_sample`) without reading them: the rest of its order, padded
+    from the order's start, is split among this run's processes, however many there were
+    before.
 
     Args:
         data: the arrays, as a dict `x`, `y`, `sample_weight` (None leaves kept out).
@@ -104,11 +106,17 @@ class EpochRows(keras.utils.PyDataset):
 
     def __init__(self, data: dict, num_shards: int, index: int, batch_size: int, position: "EpochPosition") -> None:
         super().__init__()
-        self.data, self.position, self.batch_size = data, position, batch_size
+        self.data, self.num_shards, self.index, self.batch_size = data, num_shards, index, batch_size
+        self.position = position
         self.length = num_samples(data)
-        self.shard = shard_rows(self.length, num_shards, index, pad=True)
-        self.steps = -(-len(self.shard) // batch_size)
-        self._rows: tuple[int, np.ndarray] | None = None
+        self.steps = self.steps_after(0)
+        self._rows: tuple[tuple[int, int], np.ndarray] | None = None
+        position.resizable, position.step_samples = self, batch_size * num_shards
+
+    def steps_after(self, samples: int) -> int:
+        """The steps of an epoch that starts after `samples` of its order."""
+        per_shard = -(-(self.length - samples) // self.num_shards)
+        return -(-per_shard // self.batch_size)
 
     @property
     def num_batches(self) -> int:
@@ -116,11 +124,18 @@ class EpochRows(keras.utils.PyDataset):
 
     def __getitem__(self, step: int) -> tuple:
         epoch = self.position.epoch
-        if self._rows is None or self._rows[0] != epoch:
-            self._rows = epoch, self.position.order(epoch, self.length)[self.shard]
+        # Keyed by where the epoch starts too: a batch read before the restore (Keras builds
+        # the model from one) saw it start at 0.
+        key = (epoch, self.position.first_sample(epoch))
+        if self._rows is None or self._rows[0] != key:
+            order = self.position.order(epoch, self.length)
+            rest = order[key[1]:]
+            rest = np.concatenate([rest, order[:(-len(rest)) % self.num_shards]])
+            self._rows = key, rest[self.index::self.num_shards]
+        rows = self._rows[1]
         # Beyond the epoch's batches only where a prefetch reads ahead: wrapped, never used.
-        step = (step + self.position.first_step(epoch)) % self.steps
-        batch = take_rows(self.data, self._rows[1][step * self.batch_size:(step + 1) * self.batch_size])
+        step %= -(-len(rows) // self.batch_size)
+        batch = take_rows(self.data, rows[step * self.batch_size:(step + 1) * self.batch_size])
         parts = (batch["x"], batch["y"], batch["sample_weight"])
         return parts[:1 + sum(p is not None for p in parts[1:])]
 

@@ -2,6 +2,7 @@
 
     python resume.py OUT_DIR INPUT [--kill-at STEP] [--kill-rank R] [--during-save] [--save-freq K]
                      [--notice-at STEP --notice-to launcher|self] [--no-backup] [--step-seconds S]
+                     [--record-samples]
 
 INPUT: arrays (shuffle=True), tf_data (a map with per-element work), py_dataset or
 data_loader (shuffle=True). 96 samples, batch 4 per replica, 3 epochs, a Dropout (its
@@ -14,7 +15,9 @@ with --during-save, inside the backup write that step makes (its weights written
 their temporary name, not yet renamed). With --notice-at, rank R sends SIGTERM after
 that step instead, to the launcher or to itself, and writes the time to OUT_DIR/notice.
 --no-backup leaves the script without a BackupAndRestore (`--backup-dir` gives one);
---step-seconds slows each step, so that a notice meets a step still to come.
+--step-seconds slows each step, so that a notice meets a step still to come. With
+--record-samples (PyTorch: a layer's call runs at every step), each rank appends the
+sample ids it trains to OUT_DIR/samples.ATTEMPT.RANK, a line `epoch step id id ...` a step.
 """
 
 import argparse
@@ -38,6 +41,7 @@ parser.add_argument("--notice-at", type=int)
 parser.add_argument("--notice-to", choices=["launcher", "self"], default="self")
 parser.add_argument("--no-backup", action="store_true")
 parser.add_argument("--step-seconds", type=float, default=0.0)
+parser.add_argument("--record-samples", action="store_true")
 args = parser.parse_args()
 
 ctx = keras_dist.init()
@@ -81,10 +85,13 @@ class Steps(keras.callbacks.Callback):
 
     def __init__(self):
         super().__init__()
-        self.epoch = 0
+        self.epoch = self.batch = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batch = batch
 
     def on_train_batch_end(self, batch, logs=None):
         global_step = self.epoch * self.params["steps"] + batch + 1
@@ -106,12 +113,25 @@ def kill():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class RecordSamples(keras.layers.Layer):
+    """Appends the ids of the samples of each training step (PyTorch runs it eagerly)."""
+
+    def call(self, inputs, training=None):
+        if training and inputs.device.type != "meta":
+            ids = [int(np.argmin(np.abs(x[:, 0] - value))) for value in inputs[:, 0].detach().cpu().numpy()]
+            name = f"samples.{'first' if first_attempt else 'rerun'}.{ctx.rank}"
+            with open(os.path.join(args.out, name), "a") as f:
+                f.write(f"{steps.epoch} {steps.batch} {' '.join(map(str, ids))}\n")
+        return inputs
+
+
 keras.utils.set_random_seed(3)
-model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.3),
+steps = Steps()
+model = keras.Sequential([keras.Input((6,)), *([RecordSamples()] if args.record_samples else []),
+                          keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.3),
                           keras.layers.Dense(1, activation="sigmoid")])
 keras_dist.compile(model, optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy", metrics=["accuracy"])
 backup = keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup"), save_freq=args.save_freq)
-steps = Steps()
 if args.during_save and first_attempt and ctx.is_chief:
     save_weights = model.save_weights
 
