@@ -16,7 +16,6 @@ training before the save begins, and fast steps pay for one collective a second 
 """
 
 import logging
-import os
 import signal
 import sys
 import threading
@@ -26,6 +25,8 @@ from typing import TYPE_CHECKING
 import keras
 import numpy as np
 
+from keras_dist.launchers.processes import NOTICE_SIGNALS
+
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
 
@@ -34,7 +35,6 @@ logger = logging.getLogger("keras_dist")
 # The exit code of a task stopped at a notice: 128 + SIGTERM, as a shell and Kubernetes
 # report a process SIGTERM ended (a restartable stop), whichever signal came.
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
-NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else (signal.SIGTERM,)
 # Seconds of training between two checks, once the step time is known.
 _CHECK_SECONDS = 1.0
 
@@ -55,22 +55,16 @@ class PreemptionNotice(keras.callbacks.Callback):
     def __init__(self, strategy: "Strategy", backup_seconds: float | None = None) -> None:
         super().__init__()
         self.strategy, self.backup_seconds = strategy, backup_seconds
-        self.received: int | None = None  # the signal noted here
-        self.stopping = False  # agreed: stop after this step
-        self.backup_due = False  # agreed: back up after this step (the chief's clock)
         # Where the backup at the agreed step goes (`ResumePoint`); None: nothing is saved.
         self.saved_in: str | None = None
         # The agreed step was an epoch's last: the save, and the exit, come at its end.
         self.exit_deferred = False
+        self.backup_due = False  # agreed: back up after this step (the chief's clock)
         self._previous: dict = {}
-        self._steps = 0
-        self._next_check = 1
-        self._interval = 1
-        self._last_check = (0, time.monotonic())
-        self._last_backup = time.monotonic()
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self.received, self.stopping = None, False
+        self.received: int | None = None  # the signal noted here
+        self.stopping = False  # agreed: stop after this step
         self._steps, self._next_check, self._interval = 0, 1, 1
         self._last_check, self._last_backup = (0, time.monotonic()), time.monotonic()
         if threading.current_thread() is threading.main_thread():
@@ -154,7 +148,3 @@ class _ExitAtAgreedStep(keras.callbacks.Callback):
         if self.notice.stopping:
             self.notice.exit()
 
-
-def grace_seconds() -> float:
-    """The seconds a launcher waits for its tasks after passing on a notice (`KERAS_DIST_GRACE_SECONDS`)."""
-    return float(os.environ.get("KERAS_DIST_GRACE_SECONDS", "30"))

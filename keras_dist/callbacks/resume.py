@@ -144,7 +144,7 @@ class ResumePoint(keras.callbacks.Callback):
 
     keras_dist adds it on every process wherever `fit` has a `BackupAndRestore`: first
     among the callbacks, so that every process takes a save step's snapshot at the same
-    point, and its `Restore` last, after the backup has loaded. It takes the backup's
+    point, and its `last` part after the script's callbacks (the backup loads first). It takes the backup's
     schedule (`save_freq`): at each save step every process sums its metric states with
     the others (a collective), and the chief's backup writes them with the position into
     Keras's metadata file, in the same atomic commit
@@ -202,20 +202,17 @@ class ResumePoint(keras.callbacks.Callback):
         position.seed = state["seed"]
         epoch, steps = state["epoch"], state["steps"]
         shards = self.strategy.input_plan.num_shards
-        position.resume_epoch, position.skip = epoch, steps
+        position.resume_epoch, position.skip, position.skip_samples = epoch, steps, state.get("samples") or 0
         if state.get("shards", shards) != shards:
             if position.resizable is None or state.get("samples") is None:
                 raise KerasDistError(
                     f"the backup in {self.backup.backup_dir} was written by {state['shards']} processes; resume it on "
                     f"{state['shards']} (on another number, keras_dist resumes only arrays that fit shuffles)")
-            position.skip_samples = state["samples"]
             position.skip = position.resizable.steps - position.resizable.steps_after(state["samples"])
             if self.strategy.is_chief:
                 logger.info("keras_dist: the backup was written by %s processes, this run has %s: the batch size per "
                             "replica stays, the rest of epoch %s (%s samples) is split among them",
                             state["shards"], shards, epoch + 1, position.resizable.length - state["samples"])
-        elif state.get("samples") is not None:
-            position.skip_samples = state["samples"]
         self.model._initial_epoch = epoch
         self._last_step = steps - 1
         self._restored_metrics = state["metrics"] if steps else None

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
 # How many times `keras-dist launch --max-restarts` has restarted the job, in every task.
 RESTART = "KERAS_DIST_RESTART"
+# The signals of a preemption notice (SLURM's `--signal` often uses SIGUSR1): the launcher
+# passes them on, and `keras_dist.callbacks.preemption` saves and stops at them.
+NOTICE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
 def free_ports(count: int, address: str = "127.0.0.1") -> list:
@@ -70,7 +73,7 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
     base = {k: v for k, v in os.environ.items() if k not in inherited}
     procs, pumps = [], []
     terminate_with_parent = _parent_death_signal()
-    handled = _NOTICE_SIGNALS if threading.current_thread() is threading.main_thread() else ()
+    handled = NOTICE_SIGNALS if threading.current_thread() is threading.main_thread() else ()
     previous_handlers = {sig: signal.signal(sig, _interrupt) for sig in handled}
     try:
         for task in tasks:
@@ -109,7 +112,7 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
             time.sleep(poll_seconds)
     except KeyboardInterrupt as interrupt:
         sig = interrupt.args[0] if interrupt.args else signal.SIGINT
-        if sig in _NOTICE_SIGNALS:
+        if sig in NOTICE_SIGNALS:
             return _pass_on_notice(sig, procs, grace_seconds, out)
         out.write(f"[keras-dist] {signal.Signals(sig).name}; stopping every task\n")
         return 128 + sig
@@ -121,8 +124,6 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
             pump.join(timeout=5)
 
 
-# Signals a launcher passes on as a preemption notice (SLURM's `--signal` often uses SIGUSR1).
-_NOTICE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
 def _pass_on_notice(sig, procs, grace_seconds, out):
