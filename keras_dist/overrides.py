@@ -37,3 +37,20 @@ def set_while(obj: object, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(obj, name, previous)
+
+
+@contextlib.contextmanager
+def methods_while(obj: object, methods: dict[str, Any]) -> Iterator[None]:
+    """Replaces methods on the instance `obj` for the duration of a `with` block (bypassing
+    Keras's attribute tracking), then puts back what the instance had."""
+    previous = {name: vars(obj).get(name) for name in methods}
+    for name, method in methods.items():
+        object.__setattr__(obj, name, method)
+    try:
+        yield
+    finally:
+        for name, method in previous.items():
+            if method is None:
+                vars(obj).pop(name, None)
+            else:
+                object.__setattr__(obj, name, method)

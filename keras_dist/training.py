@@ -23,7 +23,7 @@ import keras
 
 from keras_dist import inputs, optimizer_hooks
 from keras_dist.logs import flat_logs, metric_results
-from keras_dist.callbacks import resume
+from keras_dist.callbacks import background_writes, resume
 from keras_dist.callbacks.preemption import PreemptionNotice
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
@@ -124,7 +124,12 @@ class DistributedTraining:
             arguments["callbacks"] = [ReplicaCheck(self.strategy), *arguments["callbacks"], SyncInitialState(self.strategy)]
         resumes = resume.resume_inside_epoch(self.model, position) if position else contextlib.nullcontext()
         with self._flag("in_fit"), resumes:
-            history = self.strategy.run_loop("fit", self.model, self.keras_fit, arguments)
+            try:
+                history = self.strategy.run_loop("fit", self.model, self.keras_fit, arguments)
+            finally:
+                # Where fit raised, Keras skips `on_train_end`: the backup written in the
+                # background is complete before the script, or a rerun in this process, reads it.
+                background_writes.wait_for_all()
         self.synced = True
         return history
 

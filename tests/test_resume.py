@@ -7,18 +7,22 @@ train exactly the steps after the last backup, in the same order, and end with t
 uninterrupted run's weights and logged epoch losses. A preemption notice (SIGTERM to the
 launcher or to one task) must end the job with exit 143 within the grace period, the
 state saved at the step the tasks agreed on, and the rerun resume there exactly; with
-`--backup-dir` the script needs no `BackupAndRestore` of its own.
+`--backup-dir` the script needs no `BackupAndRestore` of its own. In a SLURM batch job
+(tests/hostbed.py), SIGUSR1 ahead of the time limit must requeue the job, whose second
+run resumes exactly.
 
 Run with `-s` to see the seconds from each notice to the job's end.
 """
 
+import os
 import time
 
 import numpy as np
 import pytest
 
 import runner
-from runner import BIN, PYTHON, WORKERS
+from hostbed import HostBed, HostBedError
+from runner import BIN, PYTHON, QUIET_ENV, WORKERS
 
 pytestmark = pytest.mark.timeout(300)
 WORKER = WORKERS / "resume.py"
@@ -141,6 +145,61 @@ def test_a_preemption_notice_saves_at_an_agreed_step_and_the_rerun_resumes_exact
     assert_resumed_exactly(references("launch_2", backend, data), noticed, len(steps(noticed)))
 
 
+@pytest.fixture
+def slurm_host():
+    """One simulated host with its own /tmp, running a SLURM cluster of itself."""
+    try:
+        with HostBed(1, own_tmp=True, slurm=True) as bed:
+            yield bed
+    except HostBedError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def test_a_slurm_job_signalled_ahead_of_its_time_limit_requeues_itself_and_resumes_exactly(slurm_host, references):
+    """The batch script as docs/fault-tolerance.md gives it: `#SBATCH --requeue
+    --signal=B:USR1@90` and `exec keras-dist launch --backup-dir`. The USR1 is sent here by
+    `scancel --signal=USR1 --batch`, as SLURM sends it ahead of the time limit: the job
+    stops at an agreed step with its state saved, the chief requeues it, and SLURM runs it
+    again, which resumes there and ends as an uninterrupted run."""
+    bed = slurm_host
+    host = bed.hosts[0]
+    out = host.tmp / "out"  # the host's own /tmp/out
+    out.mkdir()
+    (host.tmp / "train.sbatch").write_text(
+        "#!/bin/sh\n#SBATCH --requeue --signal=B:USR1@90 --ntasks=1 --output=/tmp/slurm-%j.out --open-mode=append\n"
+        f"exec {BIN / 'keras-dist'} launch -n 2 --backup-dir /tmp/out/backups {WORKER} /tmp/out arrays --no-backup "
+        "--step-seconds 0.1\n")
+    env = {**os.environ, **QUIET_ENV, "KERAS_BACKEND": "jax"}
+    submitted = time.time()
+    job = bed.run(host, ["sbatch", "--parsable", "/tmp/train.sbatch"], env=env).stdout.strip()
+    deadline = time.monotonic() + 120
+    while len(steps(out)) < 4:
+        assert time.monotonic() < deadline, bed.run(host, ["scontrol", "show", "job", job]).stdout
+        time.sleep(0.1)
+    (out / "notice").write_text(str(time.time()))  # what follows is the job's second run
+    signalled_at = time.time()
+    signalled = bed.run(host, ["scancel", "--signal=USR1", "--batch", job])
+    assert signalled.returncode == 0, signalled.stderr
+    deadline = time.monotonic() + 240
+    released = False
+    while not (out / "result.npz").exists():
+        if not released and "JobState=PENDING" in bed.run(host, ["scontrol", "show", "job", job]).stdout:
+            # SLURM holds a requeued job for two minutes before it is eligible again; the
+            # test does not wait for that.
+            released = bed.run(host, ["scontrol", "update", f"JobId={job}", "StartTime=now"]).returncode == 0
+        if time.monotonic() > deadline:
+            log = (host.tmp / f"slurm-{job}.out").read_text(errors="replace")
+            pytest.fail(f"{bed.run(host, ['scontrol', 'show', 'job', job]).stdout}\n{log[-4000:]}")
+        time.sleep(0.5)
+    shown = bed.run(host, ["scontrol", "show", "job", job]).stdout
+    log = (host.tmp / f"slurm-{job}.out").read_text(errors="replace")
+    print(f"SLURM job {job}: {signalled_at - submitted:.1f} s to the signal, resumed in "
+          f"{time.time() - signalled_at:.1f} s; " + " ".join(f for f in shown.split() if "Time=" in f))
+    assert "Restarts=1" in shown and f"SLURM job {job} requeued" in log, shown + log[-3000:]
+    assert 4 <= len(steps(out)) < 36
+    assert_resumed_exactly(references("launch_2", "jax", "arrays"), out, len(steps(out)))
+
+
 def test_a_notice_with_nothing_to_save_ends_the_job_and_names_the_option(tmp_path):
     argv = [BIN / "keras-dist", "launch", "-n", 2, WORKER, tmp_path, "arrays", "--no-backup", "--step-seconds",
             "0.05", "--notice-at", 3, "--notice-to", "self", "--kill-rank", 1]
@@ -193,3 +252,72 @@ def test_a_backup_restores_on_another_process_count_training_each_sample_once(tm
                   trained_samples(tmp_path, "rerun", epoch)) == everything
     for later in range(epoch + 1, EPOCHS):
         assert trained_samples(tmp_path, "rerun", later) == everything
+
+
+# The whole table of issue 33, every launch by `keras-dist launch` (2 processes, 12 steps an
+# epoch, a backup every 5 steps): about 15 minutes, so not in CI's run; run it with
+# KERAS_DIST_RESUME_MATRIX=1 pytest -s tests/test_resume.py -k matrix. Each cell prints a line.
+MATRIX_ROWS = {
+    "torch": ("torch", []),
+    "jax": ("jax", []),
+    "tf_horovod": ("tensorflow", ["--backend", "horovod"]),
+    "tf_mwms": ("tensorflow", ["--backend", "multi_worker_mirrored"]),
+}
+MATRIX_CELLS = {  # worker arguments, who reruns, the global step the rerun must resume after
+    "kill_mid_epoch": (["--kill-at", 14, "--kill-rank", 1], "max_restarts", 10),
+    "kill_at_epoch_end": (["--kill-at", 24, "--kill-rank", 1, "--save-freq", 4], "max_restarts", 20),
+    "kill_during_backup": (["--kill-at", 15, "--during-save"], "max_restarts", 10),
+    "sigterm_launcher": (["--step-seconds", "0.1", "--notice-at", 4, "--notice-to", "launcher", "--kill-rank", 1],
+                         "notice", None),
+    "sigterm_one_task": (["--step-seconds", "0.1", "--notice-at", 4, "--notice-to", "self", "--kill-rank", 1],
+                         "notice", None),
+    "2_to_1": (["--kill-at", 14], "one", 10),
+    "1_to_2": (["--kill-at", 30], "two", 30),
+}
+
+
+@pytest.mark.skipif(os.environ.get("KERAS_DIST_RESUME_MATRIX") != "1", reason="KERAS_DIST_RESUME_MATRIX=1 runs it")
+@pytest.mark.parametrize("cell", MATRIX_CELLS)
+@pytest.mark.parametrize("row", MATRIX_ROWS)
+def test_matrix(tmp_path, row, cell):
+    backend, launch_options = MATRIX_ROWS[row]
+    argv, rerun, restored = MATRIX_CELLS[cell]
+    env = {"KERAS_BACKEND": backend}
+    launch = [BIN / "keras-dist", "launch", *launch_options, "-n", 2]
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    code, out = runner.run([*launch, WORKER, reference, "arrays"], 240, env)
+    assert code == 0, out[-3000:]
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    worker = [WORKER, killed, "arrays", *argv]
+    started = time.time()
+    if rerun == "max_restarts":
+        code, out = runner.run([*launch, "--max-restarts", 1, *worker], 240, env)
+        assert code == 0, out[-3000:]
+    elif rerun == "notice":
+        code, out = runner.run([*launch, *worker], 240, env)
+        seconds = time.time() - float((killed / "notice").read_text())
+        assert code == 143 and seconds < 30 and "saved in" in out, out[-3000:]
+        restored = len(steps(killed))
+        code, out = runner.run([*launch, *worker], 240, env)
+        assert code == 0, out[-3000:]
+    else:
+        one, two = [PYTHON, *worker], [*launch, *worker]
+        code, out = runner.run(two if rerun == "one" else one, 240, env)
+        assert code != 0 and (killed / "killed").exists(), out[-3000:]
+        code, out = runner.run(one if rerun == "one" else two, 240, env)
+        assert code == 0, out[-3000:]
+        # The batch per replica stays: the rest of the interrupted epoch (96 samples, 4 per
+        # replica) and the later epochs on the rerun's process count.
+        done_samples = restored * 8 if rerun == "one" else (restored - 24) * 4 + 96
+        epoch = done_samples // 96
+        per_step = 4 if rerun == "one" else 8
+        expected = (96 - done_samples % 96) // per_step + (2 - epoch) * (96 // per_step)
+        assert len(steps(killed, "rerun")) == expected
+        print(f"MATRIX {row} {cell}: the rerun trained {expected} steps on the other process count")
+        return
+    assert_resumed_exactly(reference, killed, restored)
+    notice = f", {seconds:.1f} s from SIGTERM to exit" if rerun == "notice" else ""
+    print(f"MATRIX {row} {cell}: steps and weights equal, resumed after step {restored}{notice} "
+          f"({time.time() - started:.0f} s)")

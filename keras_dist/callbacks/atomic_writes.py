@@ -4,7 +4,9 @@ Keras writes a checkpoint in place, so a process killed mid-save leaves a trunca
 (and `BackupAndRestore` then fails on every rerun). Here each save of `ModelCheckpoint`
 and `BackupAndRestore` goes to a temporary name in the same directory, is flushed to
 disk, and is then renamed over the real name, which a rename replaces whole or not at
-all. Only the callback instance is changed (its `_save_model` and `on_train_begin`).
+all. Only the callback instance is changed (its `_save_model` and `on_train_begin`, and
+a `BackupAndRestore`'s `on_train_end`). A backup's weights are written in the background
+(`keras_dist.callbacks.background_writes`).
 """
 
 import json
@@ -14,8 +16,9 @@ import shutil
 
 import keras
 
+from keras_dist.callbacks.background_writes import BackgroundWrite, WeightsSnapshot
 from keras_dist.callbacks.resume import METADATA_KEY
-from keras_dist.overrides import override
+from keras_dist.overrides import methods_while, override
 
 logger = logging.getLogger("keras_dist")
 
@@ -47,7 +50,6 @@ def _atomic_checkpoint(callback):
 
     def _save_model(epoch, batch, logs):
         model, written = callback.model, []
-        previous = {name: vars(model).get(name) for name in ("save", "save_weights")}
 
         def to_partial_file(keras_method):
             def save(filepath, *args, **kwargs):
@@ -56,16 +58,8 @@ def _atomic_checkpoint(callback):
                 written.append(final)
             return save
 
-        for name in previous:
-            object.__setattr__(model, name, to_partial_file(getattr(model, name)))
-        try:
+        with methods_while(model, {name: to_partial_file(getattr(model, name)) for name in ("save", "save_weights")}):
             keras_save(epoch, batch, logs)
-        finally:
-            for name, method in previous.items():
-                if method is None:
-                    del model.__dict__[name]
-                else:
-                    object.__setattr__(model, name, method)
         for final in written:
             publish(_partial(final), final)
 
@@ -73,25 +67,27 @@ def _atomic_checkpoint(callback):
 
 
 def _atomic_backup(callback):
-    keras_save, keras_train_begin = callback._save_model, callback.on_train_begin
+    """Keras's `_save_model` runs with the backup's paths set to partial names, and the
+    weights it saves copied to host memory (`background_writes.WeightsSnapshot`); a
+    thread then writes them and commits the backup, while training goes on."""
+    keras_save, keras_train_begin, keras_train_end = callback._save_model, callback.on_train_begin, callback.on_train_end
     names = ("_weights_path", "_training_metadata_path")
+    writes, snapshot = BackgroundWrite(), WeightsSnapshot()
 
     def _save_model():
+        writes.wait()  # the previous backup is committed: its partial names are free again
         finals = [getattr(callback, n) for n in names]
-        if getattr(callback, "double_checkpoint", False):  # Keras >= 3.9
-            # Keras copies the latest state to its `.bkp` names first; it would copy the
-            # partial names set below, which do not exist yet.
-            previous = (callback._prev_weights_path, callback._prev_training_metadata_path)
-            for final, backup in zip(finals, previous):
-                if os.path.exists(final):
-                    shutil.copyfile(final, _partial(backup))
-                    publish(_partial(backup), backup)
-        for name, final in zip(names, finals):
-            setattr(callback, name, _partial(final))
+        partials = [_partial(final) for final in finals]
+        for partial in partials:  # left by a crash during an earlier save
+            if os.path.exists(partial):
+                os.remove(partial)
+        for name, partial in zip(names, partials):
+            setattr(callback, name, partial)
         try:
-            keras_save()
+            model = callback.model
+            with methods_while(model, {"save_weights": lambda *args, **kwargs: snapshot.take(model)}):
+                keras_save()
         finally:
-            partials = [getattr(callback, n) for n in names]
             for name, final in zip(names, finals):
                 setattr(callback, name, final)
         add_metadata = getattr(callback, "_keras_dist_metadata", None)  # `resume.ResumePoint`: the position
@@ -100,16 +96,14 @@ def _atomic_backup(callback):
                 metadata = json.load(f)
             with open(partials[1], "w") as f:
                 json.dump({**metadata, METADATA_KEY: add_metadata()}, f)
-        # Weights and metadata are one state, committed in three renames: the metadata is
-        # staged, the weights replaced, then the staged metadata put in place. A crash
-        # between the last two leaves new weights beside old metadata, which would train an
-        # epoch twice; `_finish_interrupted_commit` completes that commit on the rerun.
-        (partial_weights, partial_metadata), (weights, metadata) = partials, finals
-        publish(partial_metadata, metadata + _STAGED)
-        publish(partial_weights, weights)
-        publish(metadata + _STAGED, metadata)
+        # Keras >= 3.9 copies the latest state to its `.bkp` names first (here in the
+        # commit, where the latest state is complete on disk).
+        previous = ((callback._prev_weights_path, callback._prev_training_metadata_path)
+                    if getattr(callback, "double_checkpoint", False) else ())
+        writes.start(lambda: _commit(snapshot, partials, finals, previous))
 
     def on_train_begin(logs=None):
+        writes.wait()
         _finish_interrupted_commit(callback._weights_path, callback._training_metadata_path)
         try:
             keras_train_begin(logs)
@@ -123,8 +117,30 @@ def _atomic_backup(callback):
                     os.replace(path, path + ".unreadable")
             keras_train_begin(logs)
 
+    def on_train_end(logs=None):
+        writes.wait()  # the last backup is on disk before Keras may delete the directory
+        keras_train_end(logs)
+
     override(callback, "_save_model", _save_model)
     override(callback, "on_train_begin", on_train_begin)
+    override(callback, "on_train_end", on_train_end)
+
+
+def _commit(snapshot, partials, finals, previous):
+    """Writes the weights from host memory and commits the backup (in the writing thread)."""
+    for final, backup in zip(finals, previous):
+        if os.path.exists(final):
+            shutil.copyfile(final, _partial(backup))
+            publish(_partial(backup), backup)
+    snapshot.write(partials[0])
+    # Weights and metadata are one state, committed in three renames: the metadata is
+    # staged, the weights replaced, then the staged metadata put in place. A crash
+    # between the last two leaves new weights beside old metadata, which would train an
+    # epoch twice; `_finish_interrupted_commit` completes that commit on the rerun.
+    (partial_weights, partial_metadata), (weights, metadata) = partials, finals
+    publish(partial_metadata, metadata + _STAGED)
+    publish(partial_weights, weights)
+    publish(metadata + _STAGED, metadata)
 
 
 def _finish_interrupted_commit(weights, metadata):

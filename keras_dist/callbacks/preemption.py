@@ -9,6 +9,11 @@ is left half-done. There the chief writes a backup (where `fit` has one:
 `keras_dist.callbacks.resume`) and every task exits with `PREEMPTED_EXIT_CODE`. A second
 signal ends the task at once, as without keras_dist.
 
+In a SLURM batch job, SIGUSR1 is the notice a script asks for ahead of its time limit
+(`#SBATCH --signal=B:USR1@90`): after the save the chief requeues the job (`scontrol
+requeue`), so that it goes on from the backup when it runs again. SIGTERM does not
+requeue: it is also how `scancel` ends a job, and SLURM requeues the jobs it preempts itself.
+
 The check is one small collective, run every step at first and then about once a second
 (the chief measures the step time and sets the next check's step for all, the interval
 at most doubling from one check to the next), so that a notice costs about a second of
@@ -16,15 +21,19 @@ training before the save begins, and fast steps pay for one collective a second 
 """
 
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
 
+from keras_dist.callbacks import background_writes
 from keras_dist.launchers.processes import NOTICE_SIGNALS
 
 if TYPE_CHECKING:
@@ -37,6 +46,8 @@ logger = logging.getLogger("keras_dist")
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 # Seconds of training between two checks, once the step time is known.
 _CHECK_SECONDS = 1.0
+# `0` turns off the requeue of a SLURM job stopped at SIGUSR1.
+SLURM_REQUEUE = "KERAS_DIST_SLURM_REQUEUE"
 
 
 class PreemptionNotice(keras.callbacks.Callback):
@@ -65,6 +76,7 @@ class PreemptionNotice(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.received: int | None = None  # the signal noted here
         self.stopping = False  # agreed: stop after this step
+        self.requeue = False  # agreed: some process got SIGUSR1 (`requeue_slurm_job`)
         self._steps, self._next_check, self._interval = 0, 1, 1
         self._last_check, self._last_backup = (0, time.monotonic()), time.monotonic()
         if threading.current_thread() is threading.main_thread():
@@ -103,11 +115,12 @@ class PreemptionNotice(keras.callbacks.Callback):
             time_due = self.backup_seconds is not None and now - self._last_backup >= self.backup_seconds
         else:
             time_due = False
-        noticed, due, interval = self.strategy.sum_arrays(
-            [np.array([self.received is not None, time_due, interval], dtype=np.float64)])[0]
+        usr1 = self.received is not None and self.received == getattr(signal, "SIGUSR1", None)
+        noticed, due, interval, requeue = self.strategy.sum_arrays(
+            [np.array([self.received is not None, time_due, interval, usr1], dtype=np.float64)])[0]
         self._last_check, self._interval = (self._steps, now), int(interval)
         self._next_check = self._steps + self._interval
-        self.stopping, self.backup_due = bool(noticed), bool(due)
+        self.stopping, self.backup_due, self.requeue = bool(noticed), bool(due), bool(requeue)
 
     def backed_up(self) -> None:
         """Restarts the clock of time-based backups."""
@@ -120,8 +133,9 @@ class PreemptionNotice(keras.callbacks.Callback):
         return _ExitAtAgreedStep(self)
 
     def exit(self) -> None:
-        """Ends this process after the agreed step, with `PREEMPTED_EXIT_CODE`."""
+        """Ends this process after the agreed step, with `PREEMPTED_EXIT_CODE`, once its backup is on disk."""
         self._restore_handlers()
+        background_writes.wait_for_all()
         if self.strategy.is_chief:
             if self.saved_in:
                 logger.warning("keras_dist: stopped at the preemption notice; the state is saved in %s and the next "
@@ -130,9 +144,31 @@ class PreemptionNotice(keras.callbacks.Callback):
                 logger.warning("keras_dist: stopped at the preemption notice, with nothing saved: run with "
                                "keras-dist launch --backup-dir DIR (or KERAS_DIST_BACKUP_DIR) to resume from here "
                                "(exit %s)", PREEMPTED_EXIT_CODE)
+            if self.saved_in and self.requeue:
+                requeue_slurm_job(os.environ)
         sys.stdout.flush()
         sys.stderr.flush()
         raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+def requeue_slurm_job(environ: Mapping[str, str]) -> None:
+    """Puts the SLURM batch job this process runs in back in the queue (`scontrol requeue`),
+    where there is one and `KERAS_DIST_SLURM_REQUEUE` is not `0`; says in one line what came of it."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job or environ.get(SLURM_REQUEUE, "1") == "0":
+        return
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.warning("keras_dist: could not requeue SLURM job %s (%s); requeue it with scontrol requeue %s",
+                       job, exc, job)
+        return
+    if done.returncode == 0:
+        logger.warning("keras_dist: SLURM job %s requeued: it resumes from the backup when it runs again", job)
+        return
+    said = (done.stderr or done.stdout).strip().splitlines()
+    logger.warning("keras_dist: scontrol requeue %s failed (%s); submit the job with --requeue, or set %s=0 not to "
+                   "requeue", job, said[-1] if said else f"exit {done.returncode}", SLURM_REQUEUE)
 
 
 class _ExitAtAgreedStep(keras.callbacks.Callback):

@@ -35,7 +35,7 @@ import numpy as np
 
 from keras_dist.callbacks.preemption import PreemptionNotice
 from keras_dist.errors import KerasDistError
-from keras_dist.overrides import override
+from keras_dist.overrides import methods_while, override
 
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
@@ -405,7 +405,6 @@ def resume_inside_epoch(model: keras.Model, position: EpochPosition) -> Iterator
     their batches are not read where the input skips them itself.
     """
     names = [n for n in ("_symbolic_build", "_maybe_symbolic_build") if hasattr(model, n)]
-    previous = {name: vars(model).get(name) for name in names}
     taken = []
 
     def taking(build):
@@ -416,16 +415,8 @@ def resume_inside_epoch(model: keras.Model, position: EpochPosition) -> Iterator
             return build(*args, iterator=iterator, **kwargs)
         return take_iterator
 
-    for name in names:
-        object.__setattr__(model, name, taking(getattr(model, name)))
-    try:
+    with methods_while(model, {name: taking(getattr(model, name)) for name in names}):
         yield
-    finally:
-        for name, method in previous.items():
-            if method is None:
-                vars(model).pop(name, None)
-            else:
-                object.__setattr__(model, name, method)
 
 
 def _start_at_resume_step(epoch_iterator: Any, position: EpochPosition) -> None:

@@ -9,10 +9,11 @@ data_loader (shuffle=True). 96 samples, batch 4 per replica, 3 epochs, a Dropout
 random state is restored too) and a metric. The chief appends each step it trains to
 a steps file (`epoch step`), and the final weights and the epochs' logged loss go to
 OUT_DIR/result.npz. With --kill-at, rank R (default 0) is SIGKILLed after global step
-STEP, on the job's first attempt only (a rerun by the launcher or the test goes on);
+STEP, on the job's first attempt only (a rerun by the launcher or the test goes on),
+once the backups begun before it are on disk;
 steps go to OUT_DIR/steps.first on that attempt, OUT_DIR/steps.rerun on the next;
-with --during-save, inside the backup write that step makes (its weights written under
-their temporary name, not yet renamed). With --notice-at, rank R sends SIGTERM after
+with --during-save, inside the commit of the backup that step makes (in its writing
+thread: its weights written under their temporary name, not yet renamed). With --notice-at, rank R sends SIGTERM after
 that step instead, to the launcher or to itself, and writes the time to OUT_DIR/notice.
 --no-backup leaves the script without a BackupAndRestore (`--backup-dir` gives one);
 --step-seconds slows each step, so that a notice meets a step still to come. With
@@ -21,6 +22,7 @@ sample ids it trains to OUT_DIR/samples.ATTEMPT.RANK, a line `epoch step id id .
 """
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -29,6 +31,7 @@ import keras
 import numpy as np
 
 import keras_dist
+from keras_dist.callbacks import background_writes
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -98,8 +101,13 @@ class Steps(keras.callbacks.Callback):
         if ctx.is_chief:
             with open(os.path.join(args.out, "steps." + ("first" if first_attempt else "rerun")), "a") as f:
                 f.write(f"{self.epoch} {batch}\n")
-        if first_attempt and global_step == args.kill_at and ctx.rank == args.kill_rank and not args.during_save:
-            kill()
+        if first_attempt and args.kill_at and not args.during_save:
+            # The backups begun so far are on disk before a kill, on every rank: this
+            # rank's before the next step, and so the chief's before a peer's kill there.
+            # (A kill during a backup's write: --during-save.)
+            background_writes.wait_for_all()
+            if global_step == args.kill_at and ctx.rank == args.kill_rank:
+                kill()
         if first_attempt and global_step == args.notice_at and ctx.rank == args.kill_rank:
             with open(os.path.join(args.out, "notice"), "w") as f:
                 f.write(str(time.time()))
@@ -133,14 +141,20 @@ model = keras.Sequential([keras.Input((6,)), *([RecordSamples()] if args.record_
 keras_dist.compile(model, optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy", metrics=["accuracy"])
 backup = keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup"), save_freq=args.save_freq)
 if args.during_save and first_attempt and ctx.is_chief:
-    save_weights = model.save_weights
+    from keras_dist.callbacks import atomic_writes
 
-    def save_then_die(filepath, *a, **kw):
-        save_weights(filepath, *a, **kw)
-        if steps.epoch * steps.params["steps"] + backup._last_batch_seen + 1 == args.kill_at:
-            kill()
+    publish = atomic_writes.publish
 
-    object.__setattr__(model, "save_weights", save_then_die)
+    def publish_or_die(partial, final):
+        """Dies in the backup's commit (in its writing thread), the weights written but not yet renamed."""
+        if os.path.basename(final) == "latest.weights.h5":
+            with open(os.path.join(os.path.dirname(final), "training_metadata.json.keras_dist-staged")) as f:
+                saved = json.load(f)
+            if saved["epoch"] * steps.params["steps"] + saved["batch"] + 1 == args.kill_at:
+                kill()
+        publish(partial, final)
+
+    atomic_writes.publish = publish_or_die
 
 history = model.fit(**make_input(), batch_size=None if args.input in ("tf_data", "py_dataset", "data_loader")
                     else batch_size, epochs=3, verbose=0, callbacks=[steps] if args.no_backup else [backup, steps])
