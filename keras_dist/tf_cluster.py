@@ -9,6 +9,7 @@ import ctypes
 import errno
 import ipaddress
 import json
+import logging
 import os
 import socket
 import sys
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from keras_dist import network
 from keras_dist.errors import KerasDistError
+
+logger = logging.getLogger("keras_dist")
 
 _EXAMPLE = '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}}'
 
@@ -120,8 +123,9 @@ def prepare_server_process(environ: MutableMapping[str, str]) -> None:
         environ: the process environment (`os.environ`); TF_CONFIG must be set.
 
     Raises:
-        KerasDistError: the port is taken, the library is missing (not Linux, or no C
-            compiler at install), or the process cannot restart (an interactive Python).
+        KerasDistError: the port is taken, or the process cannot restart (an interactive
+            Python). Where the library is not installed (not Linux, or no C compiler at
+            install), one line says so and the server listens on all interfaces.
 
     Example:
 
@@ -289,8 +293,8 @@ def binding_env(environ: Mapping[str, str], address: str) -> dict[str, str]:
     Returns:
         `{"LD_PRELOAD": ..., "KERAS_DIST_BIND_ADDRESS": address}`.
 
-    Raises:
-        KerasDistError: the library is missing (not Linux, or no C compiler at install).
+    Where the library is not installed (not Linux, or no C compiler at install), it says
+    so in one line, and the process listens on all interfaces.
 
     Example:
 
@@ -298,11 +302,8 @@ def binding_env(environ: Mapping[str, str], address: str) -> dict[str, str]:
     Task("worker:0", argv, env={"TF_CONFIG": config, **binding_env(os.environ, "127.0.0.1")})
     ```
     """
-    if not BIND_LIBRARY.exists():
-        raise KerasDistError(
-            f"{BIND_LIBRARY} is missing (it is built when keras_dist is installed on Linux with a C compiler); "
-            f"reinstall keras_dist, {_OPT_OUT}"
-        )
+    if not _binding_library_installed(environ, address):
+        return {BIND_ADDRESS_ENV: address}  # tells the task that its launcher said so already
     others = [p for p in _preloaded(environ) if p != str(BIND_LIBRARY)]
     return {"LD_PRELOAD": ":".join([str(BIND_LIBRARY), *others]), BIND_ADDRESS_ENV: address}
 
@@ -314,8 +315,25 @@ def _preloaded(environ):
     return [p for p in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
 
 
+def _binding_library_installed(environ, address):
+    """Whether the library is there; where it is not, says once, in one line, what that leaves open."""
+    global _missing_library_said
+    if BIND_LIBRARY.exists():
+        return True
+    if not _missing_library_said and environ.get(BIND_ALL_ENV) != "1" and environ.get(BIND_ADDRESS_ENV) != address:
+        _missing_library_said = True
+        logger.warning("keras_dist: %s is not installed (keras_dist was installed without a C compiler, or not on "
+                       "Linux), so this job's TensorFlow servers and torch store listen on all interfaces, not on %s "
+                       "only; reinstall keras_dist where gcc is present, or set %s=1 to accept that",
+                       BIND_LIBRARY.name, address, BIND_ALL_ENV)
+    return False
+
+
+_missing_library_said = False
+
+
 def _restart_with_binding(environ, address):
-    if _active_binding() == address:
+    if _active_binding() == address or not _binding_library_installed(environ, address):
         return
     if environ.get(BIND_ADDRESS_ENV) == address and str(BIND_LIBRARY) in _preloaded(environ):
         # Set up already (by a launcher or our own restart): the dynamic loader refused the library.
