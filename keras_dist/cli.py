@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -9,6 +10,44 @@ from collections.abc import Sequence
 
 from keras_dist import strategies
 from keras_dist.errors import KerasDistError
+
+
+# The module each Keras backend runs on, and the extra that installs it.
+_FRAMEWORKS = {"tensorflow": ("tensorflow", "tf"), "jax": ("jax", "jax"), "torch": ("torch", "torch")}
+# keras_dist backends that need TensorFlow whatever Keras runs on.
+_TENSORFLOW_BACKENDS = ("horovod", "multi_worker_mirrored", "mirrored", "central_storage", "one_device",
+                        "parameter_server", "tpu")
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def _require_keras_backend() -> str:
+    """The Keras backend, once its framework is known to be installed; else a one-line error naming the fix."""
+    backend = strategies.keras_backend(os.environ)
+    if backend not in _FRAMEWORKS:
+        return backend  # Keras itself says what it accepts
+    module, extra = _FRAMEWORKS[backend]
+    if not _installed(module):
+        chosen = "KERAS_BACKEND" if os.environ.get("KERAS_BACKEND") else "Keras's default, or ~/.keras/keras.json"
+        others = [name for name, (m, _) in _FRAMEWORKS.items() if name != backend and _installed(m)]
+        instead = f"set KERAS_BACKEND={others[0]} (installed), or " if others else ""
+        raise KerasDistError(f"Keras runs on {backend} ({chosen}), which is not installed: {instead}"
+                             f'pip install "keras_dist[{extra}]"')
+    return backend
+
+
+def _require_engine(backend: str) -> None:
+    """A one-line error where the keras_dist backend's engine is not installed."""
+    if backend in _TENSORFLOW_BACKENDS and not _installed("tensorflow"):
+        raise KerasDistError(f'--backend {backend} runs on TensorFlow, which is not installed: '
+                             f'pip install "keras_dist[tf]"')
+    if backend == "horovod" and not _installed("horovod"):
+        raise KerasDistError("--backend horovod needs Horovod built against the installed TensorFlow (and PyTorch): "
+                             "run tools/build_horovod.sh from a keras_dist checkout (see the README)")
 
 
 def _launch(args):
@@ -24,13 +63,13 @@ def _launch(args):
         raise KerasDistError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     if args.grace_period < 0:
         raise KerasDistError(f"--grace-period must be 0 or more seconds, got {args.grace_period}")
-    from keras_dist.callbacks.resume import BACKUP_DIR
-    from keras_dist.launchers.nodes import Nodes, serve_directory
-    from keras_dist.launchers.processes import RESTART, run_tasks
-
     # Keras on JAX or PyTorch trains with the backend of that name; on TensorFlow, Horovod is the default.
-    keras_backend = strategies.keras_backend(os.environ)
+    keras_backend = _require_keras_backend()
     args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
+    _require_engine(args.backend)
+    from keras_dist.launchers.nodes import Nodes, serve_directory
+    from keras_dist.launchers.processes import BACKUP_DIR, RESTART, run_tasks
+
     nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != 1 else None
     directory = serve_directory(nodes) if nodes and nodes.rank == 0 and _uses_directory(args.backend) else None
     try:
@@ -63,6 +102,7 @@ def _uses_directory(backend):
 
 
 def _info(args):
+    _require_keras_backend()
     import keras
 
     from keras_dist import environments

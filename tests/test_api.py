@@ -1,5 +1,8 @@
 """Single-process behaviour: selection, bad input, sharding, and the plain-process path."""
 
+import os
+import subprocess
+
 import numpy as np
 import keras
 import pytest
@@ -224,3 +227,28 @@ def test_without_posix_only_modules_keras_dist_imports_trains_and_answers_info(k
     assert code == 0 and "trained on single" in out, out[-3000:]
     code, out = run([PYTHON, "-c", INFO], timeout=120, env=env)
     assert code == 0 and '"backend"' in out, out[-3000:]
+
+
+# Stands in for an install that lacks a module: importing it fails, as where it is absent.
+WITHOUT_MODULES = "import os, sys\nfor name in os.environ['KERAS_DIST_TEST_ABSENT'].split(','):\n    sys.modules[name] = None\n"
+
+
+@pytest.mark.parametrize("absent, keras_backend, argv, fix", [
+    # A [jax] install with Keras's default backend: `keras-dist info` printed a 30-line traceback.
+    ("tensorflow", None, ["info"], 'set KERAS_BACKEND=jax (installed), or pip install "keras_dist[tf]"'),
+    ("tensorflow", None, ["launch", "-n", "1", "SCRIPT"], 'or pip install "keras_dist[tf]"'),
+    ("tensorflow", "jax", ["launch", "--backend", "multi_worker_mirrored", "-n", "1", "SCRIPT"],
+     'runs on TensorFlow, which is not installed: pip install "keras_dist[tf]"'),
+    ("horovod", "tensorflow", ["launch", "--backend", "horovod", "-n", "1", "SCRIPT"], "tools/build_horovod.sh"),
+    ("torch", "torch", ["info"], 'pip install "keras_dist[torch]"'),
+])
+def test_the_cli_says_in_one_line_what_is_missing_and_what_installs_it(tmp_path, absent, keras_backend, argv, fix):
+    (tmp_path / "sitecustomize.py").write_text(WITHOUT_MODULES)
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not start')\n")
+    env = {"PYTHONPATH": str(tmp_path), "KERAS_DIST_TEST_ABSENT": absent, "KERAS_BACKEND": keras_backend or "",
+           "KERAS_HOME": str(tmp_path)}
+    done = subprocess.run([BIN / "keras-dist", *[str(script) if a == "SCRIPT" else a for a in argv]],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and fix in lines[0], done.stdout[-2000:] + done.stderr[-2000:]

@@ -35,6 +35,7 @@ import numpy as np
 
 from keras_dist.callbacks.preemption import PreemptionNotice
 from keras_dist.errors import KerasDistError
+from keras_dist.launchers.processes import BACKUP_DIR
 from keras_dist.overrides import methods_while, override
 
 if TYPE_CHECKING:
@@ -111,8 +112,6 @@ def backup_of(callbacks: list) -> keras.callbacks.BackupAndRestore | None:
                  if isinstance(c, keras.callbacks.BackupAndRestore)), None)
 
 
-# Where `keras-dist launch --backup-dir` backs up every fit of an unchanged script.
-BACKUP_DIR = "KERAS_DIST_BACKUP_DIR"
 # Seconds between those backups, besides each epoch's end and the preemption notice.
 BACKUP_SECONDS = "KERAS_DIST_BACKUP_SECONDS"
 # Five minutes: a hard failure (a host lost, out of memory: no notice) costs at most that

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
 # How many times `keras-dist launch --max-restarts` has restarted the job, in every task.
 RESTART = "KERAS_DIST_RESTART"
+# Where `keras-dist launch --backup-dir` backs up every fit of an unchanged script
+# (`keras_dist.callbacks.resume.automatic_backup`).
+BACKUP_DIR = "KERAS_DIST_BACKUP_DIR"
 # The signals of a preemption notice (SLURM's `--signal` often uses SIGUSR1): the launcher
 # passes them on, and `keras_dist.callbacks.preemption` saves and stops at them.
 NOTICE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
