@@ -137,7 +137,8 @@ def prepare_server_process(environ: MutableMapping[str, str]) -> None:
     ```
     """
     cluster, kind, index = parse_tf_config(environ["TF_CONFIG"])
-    if len(os.sched_getaffinity(0)) < 2:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # Linux only
+    if (cores or 1) < 2:
         environ.setdefault("TF_NUM_INTEROP_THREADS", "2")
     address = cluster[kind][index]
     host, port = _split_address(address)
