@@ -234,9 +234,7 @@ class ResumePoint(keras.callbacks.Callback):
             return
         if self._restored_metrics is not None:
             variables = [v for m in self.model.metrics for v in m.variables]
-            values = self.strategy.local_metric_states([np.asarray(a) for a in self._restored_metrics])
-            for variable, value in zip(variables, values):
-                variable.assign(value)
+            self.strategy.assign_metric_states(variables, [np.asarray(a) for a in self._restored_metrics])
             self._restored_metrics = None
         if self._restored_random is not None and not self.position.skip:
             # Saved at an epoch's end: Keras then makes the next epoch's input iterator (a

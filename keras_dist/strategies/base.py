@@ -257,11 +257,12 @@ class Strategy(abc.ABC):
 
         return self.sum_arrays([keras.ops.convert_to_numpy(v.value) for v in variables])
 
-    def local_metric_states(self, global_states: Sequence[np.ndarray]) -> list:
-        """This process's share of metric states whose sum over processes is `global_states`
-        (`global_metric_states` inverted, to resume an epoch): the chief's, by default,
-        the others' zero."""
-        return [a if self.is_chief else np.zeros_like(a) for a in global_states]
+    def assign_metric_states(self, variables: Sequence["keras.Variable"], global_states: Sequence[np.ndarray]) -> None:
+        """Sets metric state `variables` so that their sum over processes is `global_states`
+        (`global_metric_states` inverted, to resume an epoch): the chief holds them, by
+        default, the others zero."""
+        for variable, value in zip(variables, global_states):
+            variable.assign(value if self.is_chief else np.zeros_like(value))
 
     def barrier(self) -> None:
         self.collectives.barrier()

@@ -261,10 +261,12 @@ class JaxDataParallelStrategy(Strategy):
             return [keras.ops.convert_to_numpy(v.value) for v in variables]
         return super().global_metric_states(variables)
 
-    def local_metric_states(self, global_states: Sequence[np.ndarray]) -> list:
+    def assign_metric_states(self, variables: Sequence[keras.Variable], global_states: Sequence[np.ndarray]) -> None:
         if self._local_depth == 0:  # the train step's states are one global array
-            return list(global_states)
-        return super().local_metric_states(global_states)
+            for variable, value in zip(variables, global_states):
+                variable.assign(value)
+            return
+        super().assign_metric_states(variables, global_states)
 
     @contextlib.contextmanager
     def process_local_steps(self, model: keras.Model) -> Iterator[None]:

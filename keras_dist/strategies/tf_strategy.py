@@ -62,6 +62,23 @@ class TFDistributeStrategy(Strategy):
 
         return self.sum_arrays([this_process(v) for v in variables])
 
+    def assign_metric_states(self, variables: Sequence["keras.Variable"], global_states: Sequence["np.ndarray"]) -> None:
+        """The chief holds the states, the others zero, as every strategy does; but a value
+        assigned to a sum-aggregated sync-on-read variable outside a replica is divided by
+        the job's replicas, this process's local replicas each taking that share, so it is
+        scaled up by the process's part of the replicas first."""
+        import numpy as np
+
+        for variable, value in zip(variables, global_states):
+            share = value if self.is_chief else np.zeros_like(value)
+            tf_variable = variable.value
+            if (isinstance(tf_variable, tf.distribute.DistributedValues)
+                    and tf_variable.aggregation == tf.VariableAggregation.SUM
+                    and tf_variable.synchronization == tf.VariableSynchronization.ON_READ):
+                share = share * self.strategy.num_replicas_in_sync / len(
+                    self.strategy.experimental_local_results(tf_variable))
+            variable.assign(share)
+
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
         """Moves `model`'s variables under the strategy, in place, keeping their values.
 
