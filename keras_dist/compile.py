@@ -73,9 +73,11 @@ def compile(
 
 def _is_trainer(model: Any) -> bool:
     """A `keras.Model`, or a layer that mixes in Keras's `Trainer` as Keras's own tests do."""
-    from keras.src.trainers.trainer import Trainer  # no public name for the mixin
+    from keras.src.trainers import trainer  # no public name for the mixin
 
-    return isinstance(model, (keras.Model, Trainer))
+    # `BaseTrainer` in Keras 3.16's nightlies (found by tools/keras_nightly.py).
+    mixin = getattr(trainer, "Trainer", None) or trainer.BaseTrainer
+    return isinstance(model, (keras.Model, mixin))
 
 
 def _scale_learning_rate(optimizer, factor):
