@@ -22,6 +22,7 @@ import numpy as np
 import keras
 
 import keras_dist
+from keras_dist.callbacks import background_writes
 
 out_dir, epochs = sys.argv[1], int(sys.argv[2])
 fault, moment, fault_rank, fault_epoch = (sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])) \
@@ -67,6 +68,9 @@ class Fault(keras.callbacks.Callback):
         if hit and moment == "mid_epoch" and self.epoch == fault_epoch and batch == 1:
             inject("mid_epoch")
         if hit and moment == "save" and self.epoch == fault_epoch and batch == 0:
+            # The backup of the epoch before is written in the background: on disk first,
+            # so that the fault meets a save of this epoch.
+            background_writes.wait_for_all()
             threading.Thread(target=inject_once_a_save_is_in_progress, daemon=True).start()
 
     def on_test_batch_begin(self, batch, logs=None):
