@@ -14,9 +14,6 @@ from keras_dist.errors import KerasDistError
 
 # The module each Keras backend runs on, and the extra that installs it.
 _FRAMEWORKS = {"tensorflow": ("tensorflow", "tf"), "jax": ("jax", "jax"), "torch": ("torch", "torch")}
-# keras_dist backends that need TensorFlow whatever Keras runs on.
-_TENSORFLOW_BACKENDS = ("horovod", "multi_worker_mirrored", "mirrored", "central_storage", "one_device",
-                        "parameter_server", "tpu")
 
 
 def _installed(module: str) -> bool:
@@ -42,7 +39,7 @@ def _require_keras_backend() -> str:
 
 def _require_engine(backend: str) -> None:
     """A one-line error where the keras_dist backend's engine is not installed."""
-    if backend in _TENSORFLOW_BACKENDS and not _installed("tensorflow"):
+    if strategies.REGISTRY[backend].keras_backend == "tensorflow" and not _installed("tensorflow"):
         raise KerasDistError(f'--backend {backend} runs on TensorFlow, which is not installed: '
                              f'pip install "keras_dist[tf]"')
     if backend == "horovod" and not _installed("horovod"):
