@@ -55,6 +55,8 @@ class ClusterEnvironment:
 
     # Variables that, all present, show this environment's launcher started the process.
     REQUIRED: ClassVar[tuple] = ()
+    # Whether the launcher says how many processes share this machine (`local_size`).
+    KNOWS_LOCAL_SIZE: ClassVar[bool] = True
 
     @classmethod
     def detect(cls, environ: Mapping[str, str]) -> bool:
@@ -271,6 +273,7 @@ class KerasDistributionEnvironment(ClusterEnvironment):
 
     name = "keras_distribution"
     REQUIRED = ("KERAS_DISTRIBUTION_PROCESS_ID", "KERAS_DISTRIBUTION_NUM_PROCESSES")
+    KNOWS_LOCAL_SIZE = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "KerasDistributionEnvironment":

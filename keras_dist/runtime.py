@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import strategies
+from keras_dist import console, strategies
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ def init(backend: str | None = None, **options: Any) -> "Strategy":
             )
         return _current
     _current = strategies.create(name, **options)
+    console.announce(_current)
     return _current
 
 

@@ -48,11 +48,13 @@ def start(environ: MutableMapping[str, str] = os.environ) -> None:
     """The start-up effects of `import keras_dist` (see the module docstring)."""
     if is_the_cli():
         return
-    from keras_dist import runtime, strategies
+    from keras_dist import console, runtime, strategies
     from keras_dist.launchers import processes
 
     from keras_dist import environments, network
 
+    if "tensorflow" not in sys.modules:
+        console.quiet_tensorflow_start(environ)
     name, _ = strategies.select(environ=environ)
     strategy = strategies.strategy_class(name)
     environment = environments.detect(environ)

@@ -29,15 +29,35 @@ def test_distributed_example_is_the_single_device_one_with_two_lines_changed():
 
 
 def test_main_job_trains_with_two_horovod_processes(tmp_path):
-    code, out = run([BIN / "keras-dist", "launch", "--backend", "horovod", "-n", 2, EXAMPLES / "train_distributed.py"],
-                    timeout=300, env={"EPOCHS": "2", "OUTPUT": str(tmp_path)})
+    # As a user runs it: with no TF_CPP_MIN_LOG_LEVEL of the suite's.
+    code, out = run(["env", "-u", "TF_CPP_MIN_LOG_LEVEL", BIN / "keras-dist", "launch", "--backend", "horovod", "-n", 2,
+                     EXAMPLES / "train_distributed.py"], timeout=300, env={"EPOCHS": "2", "OUTPUT": str(tmp_path)})
     assert code == 0, out[-4000:]
+    # Before the first epoch: keras_dist's one summary line, none of TensorFlow's start-up lines.
+    start = out.split("[rank:0] Epoch 1/2", 1)[0].splitlines()
+    assert start == ["[rank:0] keras_dist: horovod backend (HorovodStrategy): 2 replicas in 2 processes on 1 machine "
+                     "(cluster environment: mpi)"], start
     assert "[rank:0] Epoch 2/2" in out
     assert "[rank:1] Epoch" not in out  # progress on rank 0 only
     accuracies = [float(a) for a in re.findall(r"\[rank:\d\] test accuracy: ([0-9.]+)", out)]
     assert len(accuracies) == 2 and accuracies[0] == accuracies[1]
     assert accuracies[0] > 0.6  # 10 classes: chance is 0.1
     assert (tmp_path / "best.keras").is_file() and (tmp_path / "log.csv").is_file()
+
+
+def test_keras_dist_log_debug_shows_every_process_and_every_start_up_line(tmp_path):
+    pytest.importorskip("jax")
+    script = tmp_path / "train.py"
+    script.write_text("import keras, numpy as np\nimport keras_dist\n"
+                      "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
+                      "keras_dist.compile(model, optimizer='sgd', loss='mse')\n"
+                      "model.fit(np.ones((8, 3)), np.ones((8, 1)), verbose=0)\n")
+    code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=180,
+                    env={"KERAS_BACKEND": "jax", "KERAS_DIST_LOG": "debug"})
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        assert f"[rank:{rank}] keras_dist: this process is {{'backend': 'jax', 'rank': {rank}" in out, out[-4000:]
+        assert f"[rank:{rank}] [Gloo] Rank {rank} is connected" in out, out[-4000:]  # dropped unless debugging
 
 
 def checksum(out, prefix=""):

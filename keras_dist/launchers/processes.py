@@ -24,6 +24,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, TextIO
 
+from keras_dist import console
+
 if TYPE_CHECKING:
     from keras_dist.launchers.base import Task
 
@@ -52,9 +54,12 @@ def free_ports(count: int, address: str = "127.0.0.1") -> list:
             s.close()
 
 
-def _pump(stream, prefix, out):
+def _pump(stream, prefix, out, drop_start_up_lines):
     for line in iter(stream.readline, b""):
-        out.write(prefix + line.decode(errors="replace"))
+        text = line.decode(errors="replace")
+        if drop_start_up_lines and console.is_tensorflow_start_up_line(text):
+            continue
+        out.write(prefix + text)
         out.flush()
     stream.close()
 
@@ -74,6 +79,8 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
     if inherited:
         out.write(f"[keras-dist] ignoring {', '.join(inherited)} from the shell: each task gets its own\n")
     base = {k: v for k, v in os.environ.items() if k not in inherited}
+    console.quiet_tensorflow_start(base)
+    quiet = not console.debugging(base)
     procs, pumps = [], []
     terminate_with_parent = _parent_death_signal()
     handled = NOTICE_SIGNALS if threading.current_thread() is threading.main_thread() else ()
@@ -90,7 +97,7 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
             )
             procs.append((task, proc))
             prefix = f"[{task.name}] " if task.prefix_output else ""
-            pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, out), daemon=True)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, out, quiet), daemon=True)
             pump.start()
             pumps.append(pump)
         reported = set()

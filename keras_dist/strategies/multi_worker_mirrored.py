@@ -210,9 +210,6 @@ def _make_strategy():
 
             equal_steps = dataset in self.equal_steps
             local = len(self.extended.worker_devices)
-            no_autoshard = tf.data.Options()
-            no_autoshard.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-            dataset = dataset.with_options(no_autoshard)
             if local > 1:
                 batch, _ = tf_data.dataset_batch_size(dataset)
                 dataset = dataset.rebatch(-(-batch // local))

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import tensorflow as tf
 
-from keras_dist import network
+from keras_dist import console, network
 from keras_dist.errors import KerasDistError
 from keras_dist.tf_cluster import parse_tf_config
 
@@ -64,10 +64,8 @@ def serve(cluster: dict, kind: str, index: int) -> int:
     """
     server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=kind, task_index=index,
                                   protocol="grpc", start=True)
-    # This process runs no script of the user's: keras_dist's messages are the ones it shows.
-    if not logger.handlers:
-        logger.addHandler(logging.StreamHandler())
-        logger.setLevel(logging.INFO)
+    # This process runs no script of the user's: keras_dist's warnings are the ones it shows.
+    console.configure_logging(is_chief=False)
     logger.info("keras_dist: %s:%d serving at %s for the chief", kind, index, cluster[kind][index])
     note = _end_note(cluster, kind, index)
     _remove(note)  # left by an earlier job on the same ports, whose servers were killed

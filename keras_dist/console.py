@@ -1,0 +1,85 @@
+"""What a job prints before its first epoch: one line from keras_dist, nothing from TensorFlow's start.
+
+A job of N processes would otherwise print TensorFlow's start-up lines N times, and
+keras_dist's own informational lines once per process. The policy:
+
+- TensorFlow's informational C++ lines are off where the user set nothing
+  (`TF_CPP_MIN_LOG_LEVEL=1`, set only where unset and before TensorFlow is imported);
+  its warnings and errors still show. Two lines ignore that level in TensorFlow 2.21 (the
+  "oneDNN custom operations are on" line and absl's "before absl::InitializeLog()" line):
+  `keras-dist launch` drops them from its tasks' output.
+- keras_dist's chief logs one summary line per job (backend, strategy, replicas,
+  machines) and its informational lines; other processes log warnings only.
+- `KERAS_DIST_LOG=debug` shows everything, on every process.
+
+Logging is configured only where the script configured none (no handler on the root or
+`keras_dist` logger), so a script's own `logging.basicConfig` keeps control.
+"""
+
+import logging
+import os
+import re
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
+
+LOG_VARIABLE = "KERAS_DIST_LOG"
+TF_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+
+# Start-up lines that no setting silences: TensorFlow's that `TF_CPP_MIN_LOG_LEVEL` does not reach (2.21).
+_START_UP_LINES = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|^I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations are on"
+    # Gloo's note, from each process of a JAX job, that it reached its peers.
+    r"|^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
+)
+
+logger = logging.getLogger("keras_dist")
+
+
+def debugging(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the user asked for every line (`KERAS_DIST_LOG=debug`)."""
+    return environ.get(LOG_VARIABLE, "").lower() == "debug"
+
+
+def quiet_tensorflow_start(environ: MutableMapping[str, str]) -> None:
+    """Turns TensorFlow's informational C++ lines off in the process `environ` is for, where unset.
+
+    Call it before that process imports TensorFlow: TensorFlow reads the level once.
+    """
+    if not debugging(environ):
+        environ.setdefault(TF_LOG_LEVEL, "1")
+
+
+def is_tensorflow_start_up_line(line: str) -> bool:
+    """Whether `line` of a task's output is one of TensorFlow's start-up lines that no level silences."""
+    return _START_UP_LINES.search(line) is not None
+
+
+def configure_logging(is_chief: bool, environ: Mapping[str, str] = os.environ) -> None:
+    """Shows keras_dist's lines on stderr: informational ones from the chief, warnings from all."""
+    if logging.getLogger().handlers or logger.handlers:
+        return  # the script (or a test) configured logging itself
+    level = logging.DEBUG if debugging(environ) else logging.INFO if is_chief else logging.WARNING
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+def announce(strategy: "Strategy") -> None:
+    """The job's one summary line, from the chief of a job of several processes or replicas."""
+    if strategy.size == 1 and strategy.num_replicas == 1:
+        return  # one plain process prints what it printed without keras_dist
+    configure_logging(strategy.is_chief)
+    environment = strategy.environment
+    where = ""
+    if environment.KNOWS_LOCAL_SIZE:
+        machines = -(-strategy.size // max(1, environment.local_size))
+        where = f" on {machines} machine{'' if machines == 1 else 's'}"
+    logger.info("keras_dist: %s backend (%s): %d replicas in %d processes%s (cluster environment: %s)",
+                strategy.name, type(strategy).__name__, strategy.num_replicas, strategy.size, where,
+                environment.name or "none")
+    logger.debug("keras_dist: this process is %s", strategy.describe())
