@@ -60,15 +60,9 @@ def flat(batches):
     return [i for batch in batches for i in batch]
 
 
-def loses_shards_to_padding(length, num_shards):
-    """The cells of the padding bug (`test_training_shards_are_never_empty_with_fewer_samples_than_shards`)."""
-    return 0 < length < (-length) % num_shards
-
-
 def cases(pad, shuffle=False):
     """(length, shards) of the matrix; torch has no shuffling loader of nothing (RandomSampler refuses 0 samples)."""
-    return [(length, n) for length in SIZES[shuffle:] for n in SHARDS
-            if not (pad and loses_shards_to_padding(length, n))]
+    return [(length, n) for length in SIZES[shuffle:] for n in SHARDS]
 
 
 def shards_of_one_call(length, num_shards, pad, shuffle, **kwargs):
@@ -131,8 +125,6 @@ def test_shards_interleave_one_order_per_epoch(pad, shuffle):
 def test_in_order_training_shards_are_torchs_distributed_sampler(length):
     """The module's claim: samples split as `DistributedSampler` splits, padded as it pads."""
     for num_shards in SHARDS:
-        if loses_shards_to_padding(length, num_shards):
-            continue  # test_training_shards_are_never_empty_with_fewer_samples_than_shards
         for index in range(num_shards):
             loader = shard_loader(length, num_shards, index, pad=True)
             reference = data.DistributedSampler(Indices(length), num_shards, index, shuffle=False)
@@ -140,9 +132,6 @@ def test_in_order_training_shards_are_torchs_distributed_sampler(length):
             assert len(loader.sampler) == len(reference)
 
 
-@pytest.mark.xfail(strict=True, reason="InterleavedSampler pads with order[:padding] once, so where the padding "
-                   "exceeds the samples (1 sample, 3 or 4 shards) the last shards yield nothing though their "
-                   "len() is 1; DistributedSampler repeats the samples as often as it needs")
 @pytest.mark.parametrize("length, num_shards", [(1, 3), (1, 4), (2, 5)])
 def test_training_shards_are_never_empty_with_fewer_samples_than_shards(length, num_shards):
     for index in range(num_shards):

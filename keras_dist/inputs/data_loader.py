@@ -57,8 +57,10 @@ class InterleavedSampler(data.Sampler):
             first = self.position.first_step(epoch) * self.batch_size
         if self.stand_in:
             return iter(order[:1])
-        if self.pad:
-            order += order[:(-self.length) % self.num_shards]
+        if self.pad and self.length:
+            # Repeated as often as needed: with fewer samples than shards, more than once.
+            padded = -(-self.length // self.num_shards) * self.num_shards
+            order = (order * -(-padded // self.length))[:padded]
         return iter(order[self.index::self.num_shards][first:])
 
     def __len__(self) -> int:
