@@ -17,7 +17,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv || { echo "error: '$PYTHON -m venv' failed; install the venv module (Debian/Ubuntu: apt-get install -y python3-venv)" >&2; exit 1; }
 fi
 # Reinstall only when the dependency list, the Horovod build recipe or the compiled part changed.
-stamp=".venv/.deps-$(cat setup.cfg setup.py keras_dist/bind_address.c tools/build_horovod.sh | sha1sum | cut -c1-12)"
+stamp=".venv/.deps-$(cat setup.cfg setup.py keras_dist/bind_address.c keras_dist/horovod_build.sh | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
   # The PyTorch release the tests run on, pinned: an unpinned one may pull a newer CUDA
@@ -25,7 +25,8 @@ if [ ! -f "$stamp" ]; then
   torch=2.13.0
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then tf="tf-gpu"; else tf="tf-cpu"; fi
   .venv/bin/python -m pip install -q -e ".[$tf,tfds,jax,torch,test]" "torch==$torch"
-  PYTHON=.venv/bin/python tools/build_horovod.sh
+  # Horovod from the recipe keras_dist ships (keras_dist/horovod_build.sh), cached across checkouts.
+  .venv/bin/keras-dist build-horovod
   rm -f .venv/.deps-*
   touch "$stamp"
 fi

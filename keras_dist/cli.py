@@ -1,10 +1,12 @@
-"""The `keras-dist` command: `launch` a script on this machine or several, or show `info`."""
+"""The `keras-dist` command: `launch` a script on this machine or several, show `info`, or `build-horovod`."""
 
 import argparse
 import dataclasses
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -44,7 +46,7 @@ def _require_engine(backend: str) -> None:
                              f'pip install "keras_dist[tf]"')
     if backend == "horovod" and not _installed("horovod"):
         raise KerasDistError("--backend horovod needs Horovod built against the installed TensorFlow (and PyTorch): "
-                             "run tools/build_horovod.sh from a keras_dist checkout (see the README)")
+                             "run keras-dist build-horovod")
 
 
 def _launch(args):
@@ -100,6 +102,7 @@ def _uses_directory(backend):
 
 def _info(args):
     _require_keras_backend()
+    horovod = _probe_horovod()  # in other processes, beside this one's imports
     import keras
 
     from keras_dist import environments
@@ -123,18 +126,69 @@ def _info(args):
         import tensorflow as tf
 
         facts.update(tensorflow=tf.__version__, devices=[d.name for d in tf.config.list_logical_devices()])
-        try:
-            import horovod.tensorflow as hvd
-
-            facts["horovod"] = {"gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": bool(hvd.nccl_built())}
-        except Exception as exc:  # Not installed or not built with TensorFlow: say which.
-            facts["horovod"] = f"unavailable: {exc}"
+    facts["horovod"] = horovod()
     if args.topology:
         from keras_dist.runtime import init
 
         facts.update(init().describe())
     print(json.dumps(facts, indent=2))
     return 0
+
+
+# Horovod's module for each framework it has operations for. Each is loaded in a process of
+# its own: ops built against another TensorFlow or PyTorch fail to load (`undefined symbol`).
+_HOROVOD_OPS = {"tensorflow": "horovod.tensorflow", "torch": "horovod.torch"}
+_HOROVOD_PROBE = """
+import json
+try:
+    import {module} as hvd
+    result = {{"ops": "load", "gloo": hvd.gloo_built(), "mpi": hvd.mpi_built(), "nccl": bool(hvd.nccl_built())}}
+except Exception as exc:
+    result = f"{{type(exc).__name__}}: {{exc}}"
+print(json.dumps(result))
+"""
+
+
+def _probe_horovod():
+    """Starts loading Horovod's ops for each installed framework; the function returned reports, for each,
+    whether they load, and where they do not, why and the fix."""
+    if not _installed("horovod"):
+        return lambda: "not installed: keras-dist build-horovod builds it against the installed TensorFlow (and PyTorch)"
+    from importlib import metadata
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    probes = {framework: subprocess.Popen([sys.executable, "-c", _HOROVOD_PROBE.format(module=module)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+              for framework, module in _HOROVOD_OPS.items() if _installed(framework)}
+
+    def report():
+        facts = {"version": metadata.version("horovod")}
+        for framework, probe in probes.items():
+            out = probe.communicate()[0].strip().splitlines()
+            result = json.loads(out[-1]) if probe.returncode == 0 and out else f"the import exited {probe.returncode}"
+            if not isinstance(result, dict):  # ImportError, undefined symbol, built without this framework
+                result = (f"ops do not load: {' '.join(result.split())}; fix: keras-dist build-horovod "
+                          f"(rebuilds Horovod against the installed frameworks)")
+            facts[framework] = result
+        return facts
+
+    return report
+
+
+def _build_horovod(args):
+    """Runs the shipped Horovod recipe with this interpreter; its exit status is the command's."""
+    missing = [tool for tool in ("gcc", "g++", "cmake") if shutil.which(tool) is None]
+    if missing:
+        raise KerasDistError(f"building Horovod needs {', '.join(missing)}, not found on PATH: install "
+                             f"{'them' if len(missing) > 1 else 'it'} first (Debian/Ubuntu: apt-get install -y "
+                             f"{' '.join(missing)}{'; or pip install cmake' if 'cmake' in missing else ''})")
+    if not _installed("tensorflow"):
+        raise KerasDistError("Horovod is built against the installed TensorFlow, which is not installed: "
+                             'pip install "keras_dist[tf]" (or tf-cpu, tf-gpu) first')
+    if not _installed("pip"):
+        raise KerasDistError(f"building Horovod uses pip, which this environment lacks: {sys.executable} -m ensurepip")
+    recipe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_build.sh")
+    return subprocess.run(["bash", recipe], env={**os.environ, "PYTHON": sys.executable}).returncode
 
 
 def parser() -> argparse.ArgumentParser:
@@ -164,13 +218,16 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
     info = commands.add_parser("info", help="what keras_dist detects in this process")
     info.add_argument("--topology", action="store_true", help="also start the backend and report rank and size")
+    commands.add_parser("build-horovod", help="build Horovod against the installed TensorFlow (and PyTorch) with "
+                                              "keras_dist's patches, cache the wheel, and install it here "
+                                              "(needs gcc, g++, cmake; HOROVOD_VERSION, KERAS_DIST_CACHE)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return _launch(args) if args.command == "launch" else _info(args)
+        return {"launch": _launch, "info": _info, "build-horovod": _build_horovod}[args.command](args)
     except KerasDistError as exc:
         print(f"keras-dist: error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """Single-process behaviour: selection, bad input, sharding, and the plain-process path."""
 
+import json
 import os
 import subprocess
 
@@ -96,7 +97,7 @@ def test_horovod_requested_but_not_installed_names_the_fix():
               "import keras_dist; keras_dist.init(backend='horovod')")
     code, out = run([PYTHON, "-c", script], timeout=120)
     assert code != 0
-    assert "KerasDistError: backend 'horovod' needs Horovod: run `tools/build_horovod.sh`" in out
+    assert "KerasDistError: backend 'horovod' needs Horovod: run `keras-dist build-horovod`" in out
 
 
 def test_arrays_are_interleaved_and_padded_only_for_training():
@@ -239,7 +240,8 @@ WITHOUT_MODULES = "import os, sys\nfor name in os.environ['KERAS_DIST_TEST_ABSEN
     ("tensorflow", None, ["launch", "-n", "1", "SCRIPT"], 'or pip install "keras_dist[tf]"'),
     ("tensorflow", "jax", ["launch", "--backend", "multi_worker_mirrored", "-n", "1", "SCRIPT"],
      'runs on TensorFlow, which is not installed: pip install "keras_dist[tf]"'),
-    ("horovod", "tensorflow", ["launch", "--backend", "horovod", "-n", "1", "SCRIPT"], "tools/build_horovod.sh"),
+    ("horovod", "tensorflow", ["launch", "--backend", "horovod", "-n", "1", "SCRIPT"], "run keras-dist build-horovod"),
+    ("tensorflow", "jax", ["build-horovod"], 'which is not installed: pip install "keras_dist[tf]"'),
     ("torch", "torch", ["info"], 'pip install "keras_dist[torch]"'),
 ])
 def test_the_cli_says_in_one_line_what_is_missing_and_what_installs_it(tmp_path, absent, keras_backend, argv, fix):
@@ -252,3 +254,27 @@ def test_the_cli_says_in_one_line_what_is_missing_and_what_installs_it(tmp_path,
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and fix in lines[0], done.stdout[-2000:] + done.stderr[-2000:]
+
+
+# Stands in for Horovod's torch ops built against another PyTorch: their library fails to load.
+BROKEN_HOROVOD_TORCH = """
+import sys
+class BrokenOps:
+    def find_spec(self, name, path=None, target=None):
+        if name == "horovod.torch.mpi_lib_v2":
+            raise ImportError("mpi_lib_v2.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c1013MessageLoggerC1E")
+sys.meta_path.insert(0, BrokenOps())
+"""
+
+
+def test_info_says_whether_horovods_ops_load_for_each_framework_and_names_the_fix(tmp_path):
+    pytest.importorskip("horovod")
+    pytest.importorskip("torch")
+    (tmp_path / "sitecustomize.py").write_text(BROKEN_HOROVOD_TORCH)
+    env = {"PYTHONPATH": str(tmp_path), "KERAS_BACKEND": "jax", "KERAS_HOME": str(tmp_path)}
+    done = subprocess.run([BIN / "keras-dist", "info"], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    horovod = json.loads(done.stdout)["horovod"]
+    assert horovod["tensorflow"]["ops"] == "load" and horovod["tensorflow"]["gloo"] is True, horovod
+    assert "undefined symbol" in horovod["torch"] and "fix: keras-dist build-horovod" in horovod["torch"], horovod

@@ -174,10 +174,71 @@ def test_dockerfile_base_image_and_header(dockerfile):
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
 def test_horovod_images_build_horovod_with_mpi_and_ssh(variant):
     text = (DOCKER / f"Dockerfile.{variant}").read_text()
-    assert "tools/build_horovod.sh" in text
+    assert "keras-dist build-horovod" in text
     for package in ("libopenmpi-dev", "openssh-server", "cmake", "g++"):
         assert package in text, f"Dockerfile.{variant} should install {package}"
     assert ("tensorflow-cpu==" if variant == "cpu" else "tensorflow[and-cuda]==") in text
+
+
+def _shell_commands(dockerfile):
+    """The simple commands of the RUN lines in order, as argument lists, without leading
+    `VAR=value` assignments and RUN's own `--mount=...` options."""
+    commands = []
+    for keyword, args in _instructions(dockerfile):
+        if keyword != "RUN":
+            continue
+        lexer = shlex.shlex(args, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        words = []
+        for word in [*lexer, "&&"]:
+            if word in ("&&", "||", ";", "|"):
+                while words and (words[0].startswith("--mount=") or re.match(r"\w+=", words[0])):
+                    words.pop(0)
+                commands.append(words)
+                words = []
+            else:
+                words.append(word)
+    return commands
+
+
+# How the README installs keras_dist: `pip install keras_dist` or `pip install "keras_dist[extra,...]"`.
+README_INSTALL = re.compile(r'pip install "?keras_dist(?:\[([\w,-]+)\])?"?(?=[\s`])')
+
+
+def _extras(text):
+    return frozenset(filter(None, (text or "").split(",")))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_install_keras_dist_as_the_readme_says(dockerfile):
+    """An image installs keras_dist as a user does: `pip wheel` of the repository's sources
+    (copied whole: setup.py, setup.cfg, keras_dist/), then `pip install` of that wheel with the
+    extras of one of the README's `pip install "keras_dist[...]"` commands; the Horovod images
+    then run `keras-dist build-horovod`, as the README's Horovod install does."""
+    commands = _shell_commands(dockerfile)
+    wheels = [c for c in commands if c[:2] == ["pip", "wheel"]]
+    assert len(wheels) == 1, f"{dockerfile.name} should build keras_dist's wheel with one `pip wheel`"
+    wheel_dir, sources = wheels[0][wheels[0].index("--wheel-dir") + 1], wheels[0][-1]
+    copies = {shlex.split(args)[-1].rstrip("/"): shlex.split(args)[:-1]
+              for keyword, args in _instructions(dockerfile) if keyword == "COPY"}
+    assert copies.get(f"{sources}/keras_dist") == ["keras_dist/"], f"{dockerfile.name}: {sources} lacks keras_dist/"
+    assert {"setup.py", "setup.cfg", "pyproject.toml"} <= set(copies.get(sources, [])), (
+        f"{dockerfile.name}: {sources} lacks the build files")
+    installs = [(i, word) for i, c in enumerate(commands) if c[:2] == ["pip", "install"] for word in c
+                if f"{wheel_dir}" in word]
+    assert len(installs) == 1, f"{dockerfile.name} should `pip install` the wheel it built, once"
+    installed_at, wheel = installs[0]
+    extras = _extras(re.fullmatch(r".*keras_dist-\*\.whl'?\)?(?:\[([\w,-]+)\])?", wheel).group(1))
+    readme = {_extras(m.group(1)) for m in README_INSTALL.finditer((ROOT / "README.md").read_text())}
+    assert extras in readme, (f"{dockerfile.name} installs keras_dist with extras {sorted(extras)}, which no "
+                              f"`pip install` of keras_dist in README.md has: {sorted(map(sorted, readme))}")
+    builds = [i for i, c in enumerate(commands) if c == ["keras-dist", "build-horovod"]]
+    if "gpu" in dockerfile.name or "cpu" in dockerfile.name:
+        assert builds and builds[0] > installed_at, f"{dockerfile.name} should run `keras-dist build-horovod` " \
+                                                    "after installing keras_dist"
+    else:
+        assert not builds
+    assert not [c for c in commands if c[:2] == ["pip", "install"] and "." in c], "install the wheel, not the tree"
 
 
 # --- compose ----------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def test_horovodrun_over_ssh_across_hosts_named_on_loopback_matches_one_process_
                                                                                                      tmp_path):
     """`horovodrun -H` from the first host, which starts the other rank over ssh. Gloo's
     sockets use the interface horovodrun chose (Horovod is built with the process-set
-    fix in tools/build_horovod.sh: without it, rank 0 connected to 127.0.1.1)."""
+    fix in keras_dist/horovod_build.sh: without it, rank 0 connected to 127.0.1.1)."""
     bed = ssh_hosts
     script = f'mkdir -p {OUT} && exec {PYTHON} {WORKER} {OUT} --batch 8 --adam'
     command = [BIN / "horovodrun", "-np", 2, "-H", "node0:1,node1:1", "--gloo", "sh", "-c", script]

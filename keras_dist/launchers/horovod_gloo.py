@@ -32,7 +32,7 @@ class HorovodGlooLauncher(Launcher):
             from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
             from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
         except ImportError:
-            raise KerasDistError("Horovod is not installed; build it with tools/build_horovod.sh") from None
+            raise KerasDistError("Horovod is not installed; build it with keras-dist build-horovod") from None
         address = nodes.address if nodes else "127.0.0.1"
         store = RendezvousHTTPServer((address, 0), RendezvousHandler, False) if not nodes or nodes.rank == 0 else None
         mine = {"host": address if nodes else "localhost", "ranks": num_workers,

@@ -33,15 +33,15 @@ def _import_horovod():
         import horovod  # noqa: F401
     except ImportError:
         raise KerasDistError(
-            "backend 'horovod' needs Horovod: run `tools/build_horovod.sh` "
-            "(builds it against your TensorFlow with Gloo) or `pip install horovod`"
+            "backend 'horovod' needs Horovod: run `keras-dist build-horovod` "
+            "(builds it against your TensorFlow, and PyTorch, with Gloo)"
         ) from None
     try:
         import horovod.tensorflow as hvd
     except Exception as exc:  # Horovod raises ImportError or its own errors here.
         raise KerasDistError(
-            f"Horovod is installed but not built with TensorFlow ({exc}); rebuild it "
-            "with `tools/build_horovod.sh` (sets HOROVOD_WITH_TENSORFLOW=1)"
+            f"Horovod's TensorFlow ops do not load ({exc}); rebuild them against this "
+            "TensorFlow with `keras-dist build-horovod`"
         ) from None
     return hvd
 

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Builds a Horovod wheel from its PyPI sdist against the TensorFlow installed in the
 # current Python, caches it under ~/.cache/keras_dist/wheels (or $KERAS_DIST_CACHE), and
-# installs it. Later runs, from any checkout, reuse the cached wheel.
+# installs it. Later runs, from any environment, reuse the cached wheel.
+#
+# Run it as `keras-dist build-horovod`, which ships this file in the wheel, runs it with
+# its own interpreter as PYTHON, and first says in one line what is missing of gcc, g++,
+# cmake and TensorFlow.
 #
 # Why a build of our own: Horovod 0.28.1 (its last release) does not compile against
 # TF >= 2.19, because horovod/tensorflow/xla_mpi_ops.cc includes XLA headers that moved.
@@ -28,13 +32,8 @@
 # Env: PYTHON (default: python), HOROVOD_VERSION (default 0.28.1).
 # GPU: when nvcc and NCCL are found, the build uses NCCL for all-reduce (HOROVOD_GPU_OPERATIONS=NCCL).
 set -euo pipefail
-here=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python}
 version=${HOROVOD_VERSION:-0.28.1}
-
-for tool in gcc g++ cmake; do
-  command -v "$tool" >/dev/null || { echo "error: '$tool' not found; install it first (Debian/Ubuntu: apt-get install -y ${tool/g++/g++} )" >&2; exit 1; }
-done
 
 tf_version=$("$PYTHON" -c 'import tensorflow as tf; print(tf.__version__)' 2>/dev/null) \
   || { echo "error: TensorFlow is not importable by $PYTHON; install tensorflow (or tensorflow-cpu) first" >&2; exit 1; }
@@ -57,11 +56,11 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
   sed -i 's/^#if TENSORFLOW_VERSION >= 2006000000$/#if TENSORFLOW_VERSION >= 2006000000 \&\& TENSORFLOW_VERSION < 2019000000 \&\& HAVE_GPU/' \
     "$src/horovod/tensorflow/xla_mpi_ops.cc"
   grep -q 'TENSORFLOW_VERSION < 2019000000 && HAVE_GPU' "$src/horovod/tensorflow/xla_mpi_ops.cc" \
-    || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
+    || { echo "error: Horovod $version sources changed; update keras_dist/horovod_build.sh" >&2; exit 1; }
   # Process sets' Gloo contexts on the global context's interface (see header comment).
   sed -i 's/^  assert(global_context.IsEnabled());$/&\n  gloo_iface_ = global_context.gloo_iface_;/' "$src/horovod/common/gloo/gloo_context.cc"
   grep -q '^  gloo_iface_ = global_context.gloo_iface_;$' "$src/horovod/common/gloo/gloo_context.cc" \
-    || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
+    || { echo "error: Horovod $version sources changed; update keras_dist/horovod_build.sh" >&2; exit 1; }
   # Gloo's float16 sum with F16C instructions (see header comment).
   # gloo/math.h tests GLOO_USE_AVX without including the header that defines it, so the
   # definition goes on every compile line, Horovod's own files included; the vectorised
@@ -69,16 +68,16 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
   sed -i 's/^    set(CMAKE_POLICY_DEFAULT_CMP0074 NEW)$/    set(USE_AVX ON CACHE BOOL "Gloo float16 sums with F16C" FORCE)\n    add_definitions(-DGLOO_USE_AVX=1)\n&/' "$src/CMakeLists.txt"
   sed -i 's|^  "${CMAKE_CURRENT_SOURCE_DIR}/types.cc"$|&\n  "${CMAKE_CURRENT_SOURCE_DIR}/math.cc"|' "$src/third_party/gloo/gloo/CMakeLists.txt"
   { grep -q 'add_definitions(-DGLOO_USE_AVX=1)' "$src/CMakeLists.txt" && grep -q '/math.cc"' "$src/third_party/gloo/gloo/CMakeLists.txt"; } \
-    || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
+    || { echo "error: Horovod $version sources changed; update keras_dist/horovod_build.sh" >&2; exit 1; }
   # A release build without debug info: same -O3 code, about a fifth less build time.
   sed -i "s/else 'RelWithDebInfo'$/else 'Release'/" "$src/setup.py"
-  grep -q "else 'Release'$" "$src/setup.py" || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
+  grep -q "else 'Release'$" "$src/setup.py" || { echo "error: Horovod $version sources changed; update keras_dist/horovod_build.sh" >&2; exit 1; }
   export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MXNET=1
   if [ -n "$torch_version" ]; then
     export HOROVOD_WITH_PYTORCH=1 LDFLAGS="${LDFLAGS:-} -Wl,--allow-multiple-definition"
     sed -i 's/^    set(CMAKE_CXX_STANDARD 14)$/    set(CMAKE_CXX_STANDARD 17)/' "$src/horovod/torch/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
-      || { echo "error: Horovod $version sources changed; update tools/build_horovod.sh" >&2; exit 1; }
+      || { echo "error: Horovod $version sources changed; update keras_dist/horovod_build.sh" >&2; exit 1; }
   else
     export HOROVOD_WITHOUT_PYTORCH=1
   fi
