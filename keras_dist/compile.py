@@ -4,7 +4,7 @@ from typing import Any, Literal
 
 import keras
 
-from keras_dist import optimizer_hooks, overrides, runtime, training
+from keras_dist import keras_internals, optimizer_hooks, overrides, runtime, training
 from keras_dist.strategies.base import GradientOptions
 from keras_dist.errors import KerasDistError
 
@@ -73,11 +73,7 @@ def compile(
 
 def _is_trainer(model: Any) -> bool:
     """A `keras.Model`, or a layer that mixes in Keras's `Trainer` as Keras's own tests do."""
-    from keras.src.trainers import trainer  # no public name for the mixin
-
-    # `BaseTrainer` in Keras 3.16's nightlies (found by tools/keras_nightly.py).
-    mixin = getattr(trainer, "Trainer", None) or trainer.BaseTrainer
-    return isinstance(model, (keras.Model, mixin))
+    return isinstance(model, (keras.Model, keras_internals.trainer_mixin()))
 
 
 def _scale_learning_rate(optimizer, factor):

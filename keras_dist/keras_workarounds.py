@@ -17,6 +17,7 @@ import tensorflow as tf
 from keras import tree
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
+from keras_dist import keras_internals
 from keras_dist.overrides import override, set_while
 
 
@@ -76,13 +77,11 @@ def step_functions(model: keras.Model, strategy: tf.distribute.Strategy, *, scal
         model: the model; its `_make_function` is replaced on this instance only.
         strategy: the strategy that runs the steps.
     """
-    from keras.src.backend.tensorflow.trainer import reduce_per_replica
-
     keras_make_function = model._make_function
 
     def reduce_logs(outputs):
         if not scalar_logs:
-            return reduce_per_replica(outputs, strategy, reduction="auto")
+            return keras_internals.reduce_per_replica(outputs, strategy, reduction="auto")
 
         def mean(value):
             axis = None if value.shape.rank == 0 else 0
@@ -94,7 +93,7 @@ def step_functions(model: keras.Model, strategy: tf.distribute.Strategy, *, scal
         if model.run_eagerly:
             return keras_make_function(step_function)
         skip_empty = skip_empty_batches and step_function == model.test_step and \
-            getattr(type(model).test_step, "__qualname__", "") == "TensorFlowTrainer.test_step"
+            type(model).test_step is keras_internals.tensorflow_trainer().test_step
 
         def replica_step(data):
             # A metric's `result()` may be its state variable, which strategy.run returns
@@ -277,14 +276,13 @@ def sharded_variable_updates(optimizer: keras.optimizers.Optimizer) -> None:
         optimizer: a Keras optimizer of the TF backend; two methods are replaced on
             this instance only. Variables that are not sharded take Keras's path.
     """
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
     keras_add_slot = optimizer.add_variable_from_reference
     keras_update = optimizer._distributed_tf_update_step
 
     def add_variable_from_reference(reference_variable, name=None, initializer="zeros"):
         if is_sharded(reference_variable):
-            return BaseOptimizer.add_variable_from_reference(optimizer, reference_variable, name, initializer)
+            return keras_internals.base_optimizer().add_variable_from_reference(optimizer, reference_variable, name,
+                                                                                initializer)
         return keras_add_slot(reference_variable, name=name, initializer=initializer)
 
     def _distributed_tf_update_step(distribution, grads_and_vars, learning_rate):
@@ -312,8 +310,6 @@ def train_step_over_shards(model: keras.Model) -> Callable[[Any], dict[str, Any]
     Returns:
         A function of one batch, or None when no trainable variable is sharded.
     """
-    from keras.src.losses.loss import unscale_loss_for_distribution
-
     if not any(is_sharded(w) for w in model.trainable_weights):
         return None
 
@@ -323,7 +319,7 @@ def train_step_over_shards(model: keras.Model) -> Callable[[Any], dict[str, Any]
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
             batch_size = tf.shape(next(t for t in tree.flatten(x) if t is not None))[0]
-            model._loss_tracker.update_state(unscale_loss_for_distribution(loss), sample_weight=batch_size)
+            model._loss_tracker.update_state(keras_internals.unscale_loss_for_distribution(loss), sample_weight=batch_size)
             loss = model.optimizer.scale_loss(loss)
         weights = model.trainable_weights
         sources = [list(w._value.variables) if is_sharded(w) else w for w in weights]

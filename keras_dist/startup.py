@@ -79,16 +79,14 @@ def share_random_seed(strategy: "Strategy") -> None:
         return
     import keras
     import numpy as np
-    from keras.src.backend.common import global_state
-    from keras.src.random import seed_generator
-    from keras.src.utils import rng_utils
+
+    from keras_dist import keras_internals
 
     # Drawn from the OS, not from the generators the seed is about to reset.
     chief_seed = strategy.broadcast_object(int.from_bytes(os.urandom(4), "little") if strategy.is_chief else None)
-    if rng_utils.get_random_seed() is not None:
+    if keras_internals.get_random_seed() is not None:
         return  # the script's own seed wins
-    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, chief_seed)
-    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+    keras_internals.set_global_random_seed(chief_seed)
     random.seed(chief_seed)
     np.random.seed(chief_seed)
     if keras.backend.backend() == "torch":

@@ -1,8 +1,10 @@
 """keras_dist's smoke subset against keras-nightly, in a scratch venv; prints a one-screen report.
 
-    .venv/bin/python tools/keras_nightly.py [--spec keras-nightly] [--tests FILE[::NAME] ...]
+    .venv/bin/python tools/keras_nightly.py [--keras keras-nightly] [--tests FILE[::NAME] ...]
 
-The scratch venv (`$KERAS_DIST_CACHE/keras-nightly`, default ~/.cache/keras_dist) gets only
+`--keras` takes any pip requirement for Keras, e.g. `--keras keras==3.11.0` to try the
+oldest release setup.cfg allows. The scratch venv (`$KERAS_DIST_CACHE/keras-nightly`, or
+`keras-3.11.0` for that spec; default cache ~/.cache/keras_dist) gets only
 the Keras to try (`pip install --pre --no-deps SPEC`); the frameworks, pytest and keras_dist
 itself come from the environment running this script through a path file, so what the
 report shows is the change in Keras alone. The subset (a few minutes on 2 cores): every
@@ -27,11 +29,13 @@ SUBSET = ["tests/test_input_matrix.py", "tests/test_api.py", "tests/test_resume.
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", default="keras-nightly", help="what pip installs as Keras (default keras-nightly)")
+    parser.add_argument("--keras", "--spec", dest="spec", default="keras-nightly",
+                        help="what pip installs as Keras (default keras-nightly), e.g. keras==3.11.0")
     parser.add_argument("--tests", nargs="*", default=SUBSET)
     args = parser.parse_args()
     cache = Path(os.environ.get("KERAS_DIST_CACHE") or Path.home() / ".cache" / "keras_dist")
-    venv = cache / "keras-nightly"
+    # One venv per spec: `keras` and `keras-nightly` are two distributions of one package.
+    venv = cache / re.sub(r"[^A-Za-z0-9.]+", "-", args.spec.replace("==", "-")).strip("-")
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     python = venv / "bin" / "python"

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
+from keras_dist import keras_internals
+
 
 class BackgroundWrite:
     """Runs one write at a time in a thread; the write's error is raised where it is next waited for."""
@@ -77,12 +79,10 @@ class WeightsSnapshot:
 
     def take(self, model: keras.Model) -> None:
         """Copies the model's saved state to host memory (between two steps)."""
-        from keras.src.saving import saving_lib  # no public name for the saving walk or its H5 store
-
         buffers = {(i, key): value for i, (_, _, values) in enumerate(self._entries) for key, value in values.items()}
         entries: list[tuple[str, dict | None, dict[str, np.ndarray]]] = []
 
-        class HostCopies(saving_lib.H5IOStore):
+        class HostCopies(keras_internals.h5_io_store()):
             def __init__(self) -> None:  # no file: the entries stay in memory
                 self.mode = "w"
 
@@ -105,15 +105,12 @@ class WeightsSnapshot:
                 np.copyto(buffer, view)
                 entries[-1][2][key] = buffer
 
-        saving_lib._save_state(model, weights_store=HostCopies(), assets_store=None, inner_path="",
-                               visited_saveables=set())
+        keras_internals.save_state(model, HostCopies())
         self._entries = entries
 
     def write(self, path: str) -> None:
         """Writes the copy to `path` as a Keras `.weights.h5` file."""
-        from keras.src.saving import saving_lib
-
-        store = saving_lib.H5IOStore(path, mode="w")
+        store = keras_internals.h5_io_store()(path, mode="w")
         try:
             for entry_path, metadata, values in self._entries:
                 entry = store.make(entry_path, metadata=metadata)

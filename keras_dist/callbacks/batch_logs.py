@@ -3,7 +3,8 @@
 from collections.abc import Iterable
 
 import keras
-from keras.src.utils.python_utils import is_default
+
+from keras_dist.keras_internals import is_default
 
 TRAIN_BATCH_HOOKS = ("on_batch_end", "on_train_batch_end")
 ALL_BATCH_HOOKS = TRAIN_BATCH_HOOKS + ("on_test_batch_end", "on_predict_batch_end")

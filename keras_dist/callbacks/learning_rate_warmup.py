@@ -1,7 +1,8 @@
 """Linear learning-rate warmup for large global batches."""
 
 import keras
-from keras.src.utils import io_utils
+
+from keras_dist import keras_internals
 
 
 class LearningRateWarmup(keras.callbacks.Callback):
@@ -66,4 +67,4 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self.model.optimizer.learning_rate = self._target * factor
         self._done = progress >= 1.0
         if self._done and self.verbose and self._is_chief:
-            io_utils.print_msg(f"LearningRateWarmup: learning rate reached {self._target:g}")
+            keras_internals.print_msg(f"LearningRateWarmup: learning rate reached {self._target:g}")

@@ -309,9 +309,9 @@ def job_seed(strategy: "Strategy") -> int:
     before, so that a seeded script draws the same orders when run again; otherwise
     from the OS.
     """
-    from keras.src.utils import rng_utils
+    from keras_dist.keras_internals import get_random_seed
 
-    script_seed = rng_utils.get_random_seed()
+    script_seed = get_random_seed()
     base = int.from_bytes(os.urandom(4), "little") if script_seed is None else script_seed
     seed = int(np.random.SeedSequence([base, next(_calls)]).generate_state(1)[0])
     return strategy.broadcast_object(seed)

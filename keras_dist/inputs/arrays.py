@@ -16,19 +16,12 @@ import keras
 import numpy as np
 from keras import tree
 
+from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
     from keras_dist.callbacks.resume import EpochPosition
     from keras_dist.strategies.base import Strategy
-
-
-def _array_slicing():
-    # Keras's private module, where its array adapter and `validation_split` slice: using it
-    # keeps every leaf type Keras takes. Imported on use, as it pulls in the adapters.
-    from keras.src.trainers.data_adapters import array_slicing
-
-    return array_slicing
 
 
 def _leaves(data: Any) -> list:
@@ -38,7 +31,7 @@ def _leaves(data: Any) -> list:
 def is_array_input(data: Any) -> bool:
     """Whether `data` is one array, or a structure of them, that Keras's array adapter slices."""
     leaves = _leaves(data)
-    return bool(leaves) and all(_array_slicing().can_slice_array(a) for a in leaves)
+    return bool(leaves) and all(keras_internals.can_slice_array(a) for a in leaves)
 
 
 def num_samples(data: Any) -> int:
@@ -52,19 +45,19 @@ def num_samples(data: Any) -> int:
 
 def take_rows(data: Any, rows: np.ndarray) -> Any:
     """`data` with every leaf cut to `rows` of its first dimension (None leaves kept)."""
-    sliceables = _array_slicing().convert_to_sliceable(data)
+    sliceables = keras_internals.convert_to_sliceable(data)
     return tree.map_structure(lambda s: None if s is None else s[rows], sliceables)
 
 
 def for_tf_data(data: Any) -> Any:
     """`data` as `tf.data.Dataset.from_tensor_slices` takes it, as Keras's adapter gives it: each
     leaf a TensorFlow-compatible array, each list a tuple (a list would be one stacked tensor)."""
-    return tree.lists_to_tuples(_array_slicing().convert_to_sliceable(data, target_backend="tensorflow"))
+    return tree.lists_to_tuples(keras_internals.convert_to_sliceable(data, target_backend="tensorflow"))
 
 
 def hold_out(data: Any, fraction: float) -> tuple[Any, Any]:
     """Keras's `validation_split` of a structure `(x, y, sample_weight)`: (kept, the last `fraction`)."""
-    return _array_slicing().train_validation_split(data, validation_split=fraction)
+    return keras_internals.train_validation_split(data, validation_split=fraction)
 
 
 def shard_rows(length: int, num_shards: int, index: int, pad: bool) -> np.ndarray:

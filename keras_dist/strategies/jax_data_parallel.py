@@ -284,8 +284,6 @@ class JaxDataParallelStrategy(Strategy):
         if self.size == 1 or self._local_depth:
             yield
             return
-        from keras.src.distribution import distribution_lib
-
         variables = _variables_of(model)
         for variable in variables:
             # A copy: Keras's step donates its state, and this process's shard of the
@@ -296,13 +294,13 @@ class JaxDataParallelStrategy(Strategy):
             variable._value, variable._layout = self._jax.numpy.array(local), None
         global_functions = (model.test_function, model.predict_function)
         model.test_function, model.predict_function = getattr(model, "_keras_dist_local_functions", (None, None))
-        distribution_lib.set_distribution(None)
+        keras.distribution.set_distribution(None)
         self._local_depth += 1
         try:
             yield
         finally:
             self._local_depth -= 1
-            distribution_lib.set_distribution(self.distribution)
+            keras.distribution.set_distribution(self.distribution)
             override(model, "_keras_dist_local_functions", (model.test_function, model.predict_function))
             model.test_function, model.predict_function = global_functions
             _replicate(_variables_of(model))  # those made meanwhile too (a model built by evaluate)

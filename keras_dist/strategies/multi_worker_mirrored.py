@@ -163,7 +163,8 @@ def predict_locally(model: "keras.Model", strategy: "tf.distribute.Strategy") ->
     """
     import tensorflow as tf
     from keras import tree
-    from keras.src.backend.tensorflow.trainer import concat
+
+    from keras_dist.keras_internals import concat
 
     @tf.function(reduce_retracing=True)
     def one_step(data):

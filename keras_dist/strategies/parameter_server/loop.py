@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, network, timeouts
+from keras_dist import keras_internals, keras_workarounds, network, timeouts
 from keras_dist.inputs import tf_data
 from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
@@ -108,7 +108,7 @@ class CoordinatedSteps:
         with self.strategy.scope():
             if kind == "predict":
                 if not self.model.built:
-                    keras.src.backend.compute_output_spec(self.model, batch)
+                    keras_internals.compute_output_spec(self.model, batch)
             else:
                 self.model._symbolic_build(data_batch=batch)
 
@@ -208,13 +208,11 @@ class CoordinatedSteps:
     @staticmethod
     def _adapter(x, y, sample_weight, batch_size, steps, shuffle, class_weight=None):
         """Keras's data adapter over inputs the chief reads (arrays, datasets)."""
-        from keras.src.trainers.data_adapters import get_data_adapter
-
         if isinstance(x, tf.data.Dataset) and steps is None and x.cardinality() == tf.data.INFINITE_CARDINALITY:
             raise KerasDistError("the dataset is infinite: pass steps_per_epoch (fit), validation_steps or steps "
                                  "(evaluate/predict) under backend 'parameter_server'")
-        return get_data_adapter(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps, shuffle=shuffle,
-                                class_weight=class_weight)
+        return keras_internals.get_data_adapter(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps,
+                                                shuffle=shuffle, class_weight=class_weight)
 
     @staticmethod
     def _first_batch(dataset):

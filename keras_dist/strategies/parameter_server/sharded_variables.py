@@ -10,19 +10,17 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_dist import keras_workarounds
+from keras_dist import keras_internals, keras_workarounds
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override
 
 
 def train_step(model: keras.Model) -> Callable[[Any], Any]:
     """Keras's `train_step` made to work with variables a partitioner split over ps tasks."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
     step = keras_workarounds.train_step_over_shards(model)
     if step is None:  # only frozen variables are sharded: Keras's step works
         return model.train_step
-    if type(model).train_step is not TensorFlowTrainer.train_step:
+    if type(model).train_step is not keras_internals.tensorflow_trainer().train_step:
         raise KerasDistError(f"{type(model).__name__} overrides train_step, which cannot differentiate variables the "
                              "variable_partitioner split; drop variable_partitioner or use Keras's train_step")
     for option in ("weight_decay", "use_ema"):  # both update every variable through one colocated op

@@ -1,0 +1,159 @@
+"""Every private Keras name keras_dist uses (`keras.src`), and why it has no public one.
+
+This is the only place keras_dist touches `keras.src`; every name here has a canary in
+tests/test_keras_internals.py, which names the Keras internal that moved and what in
+keras_dist depends on it, and a test there fails if another module of keras_dist reaches
+into `keras.src`. setup.cfg's Keras range is the one these were tested on.
+
+Nothing is imported here before it is used: `import keras_dist` imports no Keras for the
+`keras-dist` command, and the TensorFlow trainer's names are imported only under the
+TensorFlow backend (a JAX or PyTorch install has no TensorFlow). Differences between the
+Keras releases in that range are absorbed here, not at the call sites.
+"""
+
+from typing import Any
+
+# --- the TensorFlow trainer (keras.src.backend.tensorflow.trainer): imported only where used ---
+
+
+def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+    """Keras's reduction of a step's per-replica logs, which keras_workarounds' step function keeps for non-scalar logs; private to the TF trainer."""
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica as keras_reduce
+
+    return keras_reduce(values, strategy, reduction=reduction)
+
+
+def concat(tensors: list, axis: int = 0) -> Any:
+    """Keras's concatenation of per-replica outputs (dense, sparse or ragged), for MultiWorkerMirrored's local predict; private to the TF trainer."""
+    from keras.src.backend.tensorflow.trainer import concat as keras_concat
+
+    return keras_concat(tensors, axis=axis)
+
+
+def tensorflow_trainer() -> type:
+    """Keras's TF trainer (`TensorFlowTrainer`, `Trainer` in 3.16's nightlies), against whose steps keras_dist tells a model's own; no public class."""
+    from keras.src.backend.tensorflow import trainer
+
+    return getattr(trainer, "TensorFlowTrainer", None) or trainer.Trainer
+
+
+# --- trainers, optimizers, losses ------------------------------------------------------------
+
+
+def trainer_mixin() -> type:
+    """Keras's trainer mixin (`Trainer`, `BaseTrainer` in 3.16's nightlies), which keras_dist.compile accepts besides `keras.Model`, as Keras's own tests compile such layers; not public."""
+    from keras.src.trainers import trainer
+
+    return getattr(trainer, "Trainer", None) or trainer.BaseTrainer
+
+
+def base_optimizer() -> type:
+    """Keras's `BaseOptimizer`, whose `add_variable_from_reference` creates a sharded variable's slots without the TF optimizer's colocation; `keras.optimizers.Optimizer` is the backend's subclass."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    return BaseOptimizer
+
+
+def unscale_loss_for_distribution(value: Any) -> Any:
+    """The loss as Keras's loss tracker records it (undoing the per-replica scaling), in the parameter-server step over shards; private to Keras's losses."""
+    from keras.src.losses.loss import unscale_loss_for_distribution as keras_unscale
+
+    return keras_unscale(value)
+
+
+def compute_output_spec(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Keras's symbolic call of `fn`, which builds a model's variables before the parameter-server predict closures; the backend function is not exported."""
+    from keras.src.backend import compute_output_spec as keras_compute_output_spec
+
+    return keras_compute_output_spec(fn, *args, **kwargs)
+
+
+def get_data_adapter(x: Any, y: Any = None, sample_weight: Any = None, batch_size: Any = None,
+                     steps_per_epoch: Any = None, shuffle: Any = False, class_weight: Any = None) -> Any:
+    """Keras's data adapter for the inputs `fit` takes, which the parameter-server coordinator reads as Keras would; no public name."""
+    from keras.src.trainers.data_adapters import get_data_adapter as keras_get_data_adapter
+
+    return keras_get_data_adapter(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+                                  shuffle=shuffle, class_weight=class_weight)
+
+
+# --- array slicing (keras.src.trainers.data_adapters.array_slicing) --------------------------
+# Where Keras's array adapter and `validation_split` slice: keras_dist.inputs.arrays cuts
+# shares with it, so that every leaf type Keras takes keeps its type.
+
+
+def can_slice_array(x: Any) -> bool:
+    """Whether Keras's array adapter slices `x`, which keras_dist.inputs.arrays asks to tell arrays from other inputs; not public."""
+    from keras.src.trainers.data_adapters import array_slicing
+
+    return array_slicing.can_slice_array(x)
+
+
+def convert_to_sliceable(arrays: Any, target_backend: str | None = None) -> Any:
+    """Keras's sliceable wrapper of each leaf, with which keras_dist.inputs.arrays cuts shares and feeds tf.data as Keras does; not public."""
+    from keras.src.trainers.data_adapters import array_slicing
+
+    return array_slicing.convert_to_sliceable(arrays, target_backend=target_backend)
+
+
+def train_validation_split(arrays: Any, validation_split: float) -> tuple[Any, Any]:
+    """Keras's `validation_split`, which keras_dist.inputs.arrays applies before sharding so the held-out rows match one process's; not public."""
+    from keras.src.trainers.data_adapters import array_slicing
+
+    return array_slicing.train_validation_split(arrays, validation_split=validation_split)
+
+
+# --- saving (keras.src.saving.saving_lib) -----------------------------------------------------
+
+
+def h5_io_store() -> type:
+    """Keras's `.weights.h5` store, which background backups subclass (host copies) and write with, so the file is `save_weights`'s; not public."""
+    from keras.src.saving import saving_lib
+
+    return saving_lib.H5IOStore
+
+
+def save_state(saveable: Any, weights_store: Any) -> None:
+    """Keras's walk of a model's saved state into a weights store, which background backups run to copy it to host memory; private to saving_lib."""
+    from keras.src.saving import saving_lib
+
+    saving_lib._save_state(saveable, weights_store=weights_store, assets_store=None, inner_path="",
+                           visited_saveables=set())
+
+
+# --- random seeds (keras.src.utils.rng_utils, keras.src.random.seed_generator) ----------------
+
+
+def get_random_seed() -> int | None:
+    """The seed a script gave `keras.utils.set_random_seed` (None without one), from which keras_dist draws its shuffles; Keras exports only the setter."""
+    from keras.src.utils import rng_utils
+
+    return rng_utils.get_random_seed()
+
+
+def set_global_random_seed(seed: int) -> None:
+    """Sets Keras's global seed and resets its global seed generator, as `set_random_seed` does but without seeding TensorFlow (keras_dist.startup shares the chief's seed); no public name."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, seed)
+    # A string before Keras 3.13 named it.
+    global_state.set_global_attribute(getattr(seed_generator, "GLOBAL_SEED_GENERATOR", "global_seed_generator"), None)
+
+
+# --- utilities --------------------------------------------------------------------------------
+
+
+def is_default(method: Any) -> bool:
+    """Whether a callback method is Callback's own (marked `@default`), which tells keras_dist which callbacks read batch logs; not public."""
+    from keras.src.utils.python_utils import is_default as keras_is_default
+
+    return keras_is_default(method)
+
+
+def print_msg(message: str) -> None:
+    """Prints as Keras's callbacks do (to absl logging when interactive logging is off), for LearningRateWarmup's message; not public."""
+    from keras.src.utils import io_utils
+
+    io_utils.print_msg(message)

@@ -1,0 +1,268 @@
+"""Canaries for the private Keras names keras_dist uses, all through keras_dist.keras_internals.
+
+One test per name, checking what keras_dist relies on (a tiny call, not only the import);
+a failure says which Keras internal moved or changed and what in keras_dist depends on it.
+A new Keras release (tools/keras_nightly.py) fails here first, with the place to adapt.
+"""
+
+import contextlib
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from keras_dist import keras_internals
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def canary(internal, user):
+    """Turns any failure inside into one line: the Keras internal that changed, and its user."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - an import, a signature or a value alike
+        pytest.fail(f"{internal} moved or changed under Keras {keras.__version__} ({type(error).__name__}: {error}): "
+                    f"{user}", pytrace=False)
+
+
+def exported():
+    return sorted(name for name, value in vars(keras_internals).items()
+                  if inspect.isfunction(value) and value.__module__ == keras_internals.__name__ and name[0] != "_")
+
+
+def test_only_keras_internals_touches_keras_src():
+    offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                 for path in sorted((ROOT / "keras_dist").rglob("*.py")) if path.name != "keras_internals.py"
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bkeras\.src\b", line)]
+    assert not offenders, ("keras_dist reaches into Keras's private modules outside keras_dist/keras_internals.py; "
+                           "add a named function there (with a canary here):\n" + "\n".join(offenders))
+
+
+def test_every_internal_has_a_docstring_and_a_canary():
+    for name in exported():
+        doc = (getattr(keras_internals, name).__doc__ or "").strip()
+        assert doc and "\n" not in doc, f"keras_internals.{name} needs a one-line docstring: its use, why not public"
+        assert f"test_{name}" in globals(), f"keras_internals.{name} has no canary test_{name} in {__file__}"
+
+
+# --- the TensorFlow trainer --------------------------------------------------------------------
+
+
+def test_reduce_per_replica():
+    tf = pytest.importorskip("tensorflow")
+    with canary("keras.src.backend.tensorflow.trainer.reduce_per_replica",
+                "keras_dist.keras_workarounds (the MirroredStrategy step function) reduces non-scalar logs with it"):
+        logs = {"loss": tf.constant(2.0), "outputs": tf.constant([1.0, 2.0])}
+        reduced = keras_internals.reduce_per_replica(logs, tf.distribute.get_strategy(), reduction="auto")
+        assert float(reduced["loss"]) == 2.0 and reduced["outputs"].numpy().tolist() == [1.0, 2.0]
+
+
+def test_concat():
+    tf = pytest.importorskip("tensorflow")
+    with canary("keras.src.backend.tensorflow.trainer.concat",
+                "keras_dist.strategies.multi_worker_mirrored.predict_locally joins local replicas' outputs with it"):
+        joined = keras_internals.concat([tf.constant([[1], [2]]), tf.constant([[3]])])
+        assert joined.numpy().tolist() == [[1], [2], [3]]
+        ragged = keras_internals.concat([tf.ragged.constant([[1, 2]]), tf.ragged.constant([[3]])])
+        assert ragged.to_list() == [[1, 2], [3]]
+
+
+def test_tensorflow_trainer():
+    pytest.importorskip("tensorflow")
+    with canary("keras.src.backend.tensorflow.trainer.TensorFlowTrainer (Trainer in 3.16's nightlies)",
+                "keras_dist.strategies.parameter_server.sharded_variables.train_step and keras_workarounds' "
+                "empty-batch skip tell a model's own train_step/test_step from its"):
+        trainer = keras_internals.tensorflow_trainer()
+        assert issubclass(trainer, keras_internals.trainer_mixin()) and callable(trainer.train_step)
+        if keras.backend.backend() == "tensorflow":
+            assert keras.Model.train_step is trainer.train_step and keras.Model.test_step is trainer.test_step
+
+
+# --- trainers, optimizers, losses --------------------------------------------------------------
+
+
+def test_trainer_mixin():
+    with canary("keras.src.trainers.trainer.Trainer (BaseTrainer in 3.16's nightlies)",
+                "keras_dist.compile accepts layers that mix it in, as Keras's own test suites compile them"):
+        mixin = keras_internals.trainer_mixin()
+        assert issubclass(keras.Model, mixin) and callable(mixin.compile)
+
+
+def test_base_optimizer():
+    with canary("keras.src.optimizers.base_optimizer.BaseOptimizer.add_variable_from_reference",
+                "keras_dist.keras_workarounds.sharded_variable_updates creates sharded variables' slots with it"):
+        base = keras_internals.base_optimizer()
+        optimizer = keras.optimizers.SGD()
+        assert isinstance(optimizer, base)
+        assert list(inspect.signature(base.add_variable_from_reference).parameters)[:4] == \
+            ["self", "reference_variable", "name", "initializer"]
+        slot = base.add_variable_from_reference(optimizer, keras.Variable(np.ones((2, 3), "float32")), "m", "zeros")
+        assert tuple(slot.shape) == (2, 3) and not np.any(keras.ops.convert_to_numpy(slot))
+
+
+def test_unscale_loss_for_distribution():
+    with canary("keras.src.losses.loss.unscale_loss_for_distribution",
+                "keras_dist.keras_workarounds.train_step_over_shards records the loss as Keras's tracker does"):
+        value = keras.ops.convert_to_tensor(3.0)
+        assert float(keras_internals.unscale_loss_for_distribution(value)) == 3.0  # one replica: unchanged
+
+
+def test_compute_output_spec():
+    with canary("keras.src.backend.compute_output_spec",
+                "keras_dist.strategies.parameter_server.loop builds a model's variables before predict with it"):
+        model = keras.Sequential([keras.layers.Dense(2)])
+        spec = keras_internals.compute_output_spec(model, np.zeros((4, 3), "float32"))
+        assert tuple(spec.shape) == (4, 2) and model.built
+
+
+def test_get_data_adapter():
+    with canary("keras.src.trainers.data_adapters.get_data_adapter",
+                "keras_dist.strategies.parameter_server.loop reads the chief's inputs through it"):
+        x = np.arange(10, dtype="float32").reshape(10, 1)
+        adapter = keras_internals.get_data_adapter(x, x, None, batch_size=4, steps_per_epoch=None, shuffle=False,
+                                                   class_weight=None)
+        assert adapter.num_batches == 3 and callable(adapter.get_tf_dataset)
+
+
+# --- array slicing -----------------------------------------------------------------------------
+
+ARRAY_SLICING = "keras.src.trainers.data_adapters.array_slicing"
+
+
+def test_can_slice_array():
+    with canary(f"{ARRAY_SLICING}.can_slice_array", "keras_dist.inputs.arrays tells arrays from other inputs with it"):
+        assert keras_internals.can_slice_array(np.zeros(3))
+        assert not keras_internals.can_slice_array(iter([1, 2]))
+
+
+def test_convert_to_sliceable():
+    with canary(f"{ARRAY_SLICING}.convert_to_sliceable", "keras_dist.inputs.arrays cuts shares with it"):
+        data = {"a": np.arange(6), "b": [np.arange(6) * 10, None]}
+        sliceable = keras_internals.convert_to_sliceable(data)
+        rows = np.array([1, 4])
+        cut = keras.tree.map_structure(lambda s: None if s is None else s[rows], sliceable)
+        assert np.asarray(cut["a"]).tolist() == [1, 4] and np.asarray(cut["b"][0]).tolist() == [10, 40]
+        assert cut["b"][1] is None
+        for_tf = keras_internals.convert_to_sliceable(data, target_backend="tensorflow")
+        assert np.asarray(for_tf["a"]).tolist() == list(range(6))
+
+
+def test_train_validation_split():
+    with canary(f"{ARRAY_SLICING}.train_validation_split",
+                "keras_dist.inputs.arrays.hold_out applies Keras's validation_split with it"):
+        kept, held = keras_internals.train_validation_split((np.arange(10), np.arange(10) * 2), validation_split=0.2)
+        assert np.asarray(kept[0]).tolist() == list(range(8)) and np.asarray(held[1]).tolist() == [16, 18]
+
+
+# --- saving ------------------------------------------------------------------------------------
+
+
+def tiny_model():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def test_h5_io_store(tmp_path):
+    from keras_dist.callbacks.background_writes import WeightsSnapshot
+
+    with canary("keras.src.saving.saving_lib.H5IOStore",
+                "keras_dist.callbacks.background_writes.WeightsSnapshot copies and writes backups through it"):
+        model, other = tiny_model(), tiny_model()
+        snapshot = WeightsSnapshot()
+        snapshot.take(model)
+        snapshot.write(str(tmp_path / "copy.weights.h5"))
+        other.load_weights(str(tmp_path / "copy.weights.h5"))
+        for mine, theirs in zip(model.get_weights(), other.get_weights()):
+            np.testing.assert_array_equal(mine, theirs)
+
+
+def test_save_state():
+    with canary("keras.src.saving.saving_lib._save_state",
+                "keras_dist.callbacks.background_writes.WeightsSnapshot walks the model's saved state with it"):
+        seen = {}
+
+        class Recorder(keras_internals.h5_io_store()):
+            def __init__(self):
+                self.mode = "w"
+
+            def __bool__(self):
+                return True
+
+            def make(self, path, metadata=None):
+                self.path = path
+                return self
+
+            def __setitem__(self, key, value):
+                seen[f"{self.path}/{key}"] = np.asarray(value)
+
+        model = tiny_model()
+        keras_internals.save_state(model, Recorder())
+        assert sorted(v.shape for v in seen.values()) == sorted(w.shape for w in model.get_weights()), sorted(seen)
+
+
+# --- random seeds ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def keras_seed_state(monkeypatch):
+    """Keras's global seed and seed generator as they were; Python's, NumPy's and the frameworks' left alone."""
+    from keras.src.backend.common import global_state
+
+    names = ("global_random_seed", "global_seed_generator")
+    before = [global_state.get_global_attribute(name) for name in names]
+    import random
+
+    monkeypatch.setattr(random, "seed", lambda seed: None)
+    monkeypatch.setattr(np.random, "seed", lambda seed: None)
+    if "tensorflow" in sys.modules:
+        monkeypatch.setattr(sys.modules["tensorflow"].random, "set_seed", lambda seed: None)
+    if "torch" in sys.modules:
+        monkeypatch.setattr(sys.modules["torch"], "manual_seed", lambda seed: None)
+    yield
+    for name, value in zip(names, before):
+        global_state.set_global_attribute(name, value)
+
+
+def test_get_random_seed(keras_seed_state):
+    with canary("keras.src.utils.rng_utils.get_random_seed",
+                "keras_dist.inputs.job_seed and keras_dist.startup read the script's keras.utils.set_random_seed"):
+        keras.utils.set_random_seed(1234)
+        assert keras_internals.get_random_seed() == 1234
+
+
+def test_set_global_random_seed(keras_seed_state):
+    with canary("keras.src.utils.rng_utils.GLOBAL_RANDOM_SEED and keras.src.random.seed_generator's global generator",
+                "keras_dist.startup.share_random_seed gives every process the chief's seed through them"):
+        from keras.src.random.seed_generator import global_seed_generator
+
+        used = global_seed_generator()
+        keras_internals.set_global_random_seed(77)
+        assert keras_internals.get_random_seed() == 77
+        # A new generator, seeded anew from Python's `random` (which startup seeds next).
+        assert global_seed_generator() is not used
+
+
+# --- utilities ---------------------------------------------------------------------------------
+
+
+def test_is_default():
+    with canary("keras.src.utils.python_utils.is_default",
+                "keras_dist.callbacks.batch_logs tells which callbacks read per-batch logs with it"):
+        class Reads(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                pass
+
+        assert keras_internals.is_default(keras.callbacks.Callback().on_train_batch_end)
+        assert not keras_internals.is_default(Reads().on_train_batch_end)
+
+
+def test_print_msg(capsys):
+    with canary("keras.src.utils.io_utils.print_msg",
+                "keras_dist.callbacks.LearningRateWarmup prints its message with it"):
+        keras_internals.print_msg("warmup done")
+        if keras.config.is_interactive_logging_enabled():
+            assert capsys.readouterr().out == "warmup done\n"
