@@ -10,7 +10,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from keras_dist import strategies
+from keras_dist import settings, strategies
 from keras_dist.errors import KerasDistError
 
 
@@ -26,12 +26,12 @@ def _installed(module: str) -> bool:
 
 def _require_keras_backend() -> str:
     """The Keras backend, once its framework is known to be installed; else a one-line error naming the fix."""
-    backend = strategies.keras_backend(os.environ)
+    backend = strategies.keras_backend(settings.environ())
     if backend not in _FRAMEWORKS:
         return backend  # Keras itself says what it accepts
     module, extra = _FRAMEWORKS[backend]
     if not _installed(module):
-        chosen = "KERAS_BACKEND" if os.environ.get("KERAS_BACKEND") else "Keras's default, or ~/.keras/keras.json"
+        chosen = "KERAS_BACKEND" if settings.environ().get("KERAS_BACKEND") else "Keras's default, or ~/.keras/keras.json"
         others = [name for name, (m, _) in _FRAMEWORKS.items() if name != backend and _installed(m)]
         instead = f"set KERAS_BACKEND={others[0]} (installed), or " if others else ""
         raise KerasDistError(f"Keras runs on {backend} ({chosen}), which is not installed: {instead}"
@@ -56,8 +56,9 @@ def _launch(args):
         raise KerasDistError(f"--ps must be 0 or more, got {args.ps}")
     if not os.path.isfile(args.script):
         raise KerasDistError(f"script {args.script!r} not found; give the path of a Python file")
-    if os.environ.get(strategies.ENV_VAR):
-        strategies.strategy_class(os.environ[strategies.ENV_VAR])  # a bad name stops here, in one line
+    chosen = settings.current()  # a bad value stops here, in one line
+    if chosen.backend:
+        strategies.strategy_class(chosen.backend)
     if args.max_restarts < 0:
         raise KerasDistError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     if args.grace_period < 0:
@@ -105,14 +106,13 @@ def _info(args):
     horovod = _probe_horovod()  # in other processes, beside this one's imports
     import keras
 
-    from keras_dist import environments
+    from keras_dist import runtime
 
-    name, reason = strategies.select()
-    strategy = strategies.strategy_class(name)
-    facts = {"keras_backend": keras.backend.backend(), "keras": keras.__version__,
-             **environments.detect(os.environ).describe(),
-             "backend": name, "strategy": f"{strategy.__module__}.{strategy.__qualname__}", "why": reason,
-             "local_launcher": strategies.launcher_of(name) or None}
+    task = runtime.get()  # what a task started here would use
+    strategy = strategies.strategy_class(task.backend)
+    facts = {"keras_backend": keras.backend.backend(), "keras": keras.__version__, **task.describe(),
+             "strategy": f"{strategy.__module__}.{strategy.__qualname__}",
+             "local_launcher": strategies.launcher_of(task.backend) or None}
     if keras.backend.backend() == "jax":
         import jax
 
@@ -128,9 +128,7 @@ def _info(args):
         facts.update(tensorflow=tf.__version__, devices=[d.name for d in tf.config.list_logical_devices()])
     facts["horovod"] = horovod()
     if args.topology:
-        from keras_dist.runtime import init
-
-        facts.update(init().describe())
+        facts.update(runtime.init().describe())
     print(json.dumps(facts, indent=2))
     return 0
 
@@ -156,7 +154,7 @@ def _probe_horovod():
         return lambda: "not installed: keras-dist build-horovod builds it against the installed TensorFlow (and PyTorch)"
     from importlib import metadata
 
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    env = {**settings.environ(), "TF_CPP_MIN_LOG_LEVEL": settings.environ().get("TF_CPP_MIN_LOG_LEVEL", "2")}
     probes = {framework: subprocess.Popen([sys.executable, "-c", _HOROVOD_PROBE.format(module=module)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
               for framework, module in _HOROVOD_OPS.items() if _installed(framework)}
@@ -188,7 +186,7 @@ def _build_horovod(args):
     if not _installed("pip"):
         raise KerasDistError(f"building Horovod uses pip, which this environment lacks: {sys.executable} -m ensurepip")
     recipe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_build.sh")
-    return subprocess.run(["bash", recipe], env={**os.environ, "PYTHON": sys.executable}).returncode
+    return subprocess.run(["bash", recipe], env={**settings.environ(), "PYTHON": sys.executable}).returncode
 
 
 def parser() -> argparse.ArgumentParser:

@@ -17,15 +17,15 @@ Logging is configured only where the script configured none (no handler on the r
 """
 
 import logging
-import os
 import re
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
+
+from keras_dist import settings
 
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
 
-LOG_VARIABLE = "KERAS_DIST_LOG"
 TF_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
 
 # Start-up lines that no setting silences: TensorFlow's that `TF_CPP_MIN_LOG_LEVEL` does not reach (2.21).
@@ -39,17 +39,13 @@ _START_UP_LINES = re.compile(
 logger = logging.getLogger("keras_dist")
 
 
-def debugging(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the user asked for every line (`KERAS_DIST_LOG=debug`)."""
-    return environ.get(LOG_VARIABLE, "").lower() == "debug"
-
-
-def quiet_tensorflow_start(environ: MutableMapping[str, str]) -> None:
-    """Turns TensorFlow's informational C++ lines off in the process `environ` is for, where unset.
+def quiet_tensorflow_start(environ: MutableMapping[str, str], chosen: settings.Settings) -> None:
+    """Turns TensorFlow's informational C++ lines off in the process `environ` is for, where
+    unset and `chosen` (its settings) asks for no debugging lines.
 
     Call it before that process imports TensorFlow: TensorFlow reads the level once.
     """
-    if not debugging(environ):
+    if not chosen.debug_log:
         environ.setdefault(TF_LOG_LEVEL, "1")
 
 
@@ -58,11 +54,11 @@ def is_tensorflow_start_up_line(line: str) -> bool:
     return _START_UP_LINES.search(line) is not None
 
 
-def configure_logging(is_chief: bool, environ: Mapping[str, str] = os.environ) -> None:
+def configure_logging(is_chief: bool) -> None:
     """Shows keras_dist's lines on stderr: informational ones from the chief, warnings from all."""
     if logging.getLogger().handlers or logger.handlers:
         return  # the script (or a test) configured logging itself
-    level = logging.DEBUG if debugging(environ) else logging.INFO if is_chief else logging.WARNING
+    level = logging.DEBUG if settings.current().debug_log else logging.INFO if is_chief else logging.WARNING
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)

@@ -1,14 +1,70 @@
-"""The process-wide strategy (the *backend* a user picks by name): chosen once, by `init`, shared by everything else."""
+"""This process's runtime: every fact keras_dist derives about the process, derived once.
 
+The `Runtime` holds the settings (`keras_dist.settings`), the cluster environment the
+launcher set (`keras_dist.environments`), the backend chosen with the reason, the address
+of the network interface the job's traffic takes, and the strategy once started. It is
+built on first use, from the process's environment (`import keras_dist` builds it in a
+process a launcher started); `startup`, `keras_dist.compile`, the strategies, the
+collectives and `keras-dist info` read it, and nothing derives those facts again. Tests
+build their own with `Runtime.from_environ(mapping)`.
+"""
+
+import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import console, strategies
+from keras_dist import console, environments, settings, strategies
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
 
-_current = None
+
+@dataclasses.dataclass
+class Runtime:
+    """What keras_dist knows of this process.
+
+    Args:
+        settings: keras_dist's settings, read once.
+        environment: this process's place in its job, as the chosen strategy reads it.
+        backend: the keras_dist backend (strategy) chosen.
+        reason: why that backend (requested, set by KERAS_DIST_BACKEND, detected...).
+        job_address: the address of the interface the job's traffic takes (set at start-up
+            in a job of several processes; None where nothing is known).
+        strategy: the started strategy (None until `init`).
+    """
+
+    settings: settings.Settings
+    environment: environments.ClusterEnvironment
+    backend: str
+    reason: str
+    job_address: str | None = None
+    strategy: "Strategy | None" = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str], backend: str | None = None,
+                     chosen: settings.Settings | None = None) -> "Runtime":
+        """The runtime of a process whose environment is `environ`; `backend` as `init`'s."""
+        chosen = chosen or settings.Settings.from_environ(environ)
+        detected = environments.detect(environ)
+        name, reason = strategies.select(backend, environ, chosen, detected)
+        environment = strategies.strategy_class(name).cluster_environment(environ, detected)
+        return cls(chosen, environment, name, reason)
+
+    def describe(self) -> dict:
+        return {**self.environment.describe(), "backend": self.backend, "why": self.reason,
+                "job_address": self.job_address}
+
+
+_runtime: Runtime | None = None
+
+
+def get() -> Runtime:
+    """This process's runtime, built on first use."""
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime.from_environ(settings.environ(), chosen=settings.current())
+    return _runtime
 
 
 def init(backend: str | None = None, **options: Any) -> "Strategy":
@@ -33,20 +89,27 @@ def init(backend: str | None = None, **options: Any) -> "Strategy":
     print(ctx.name, ctx.rank, ctx.size, ctx.is_chief)
     ```
     """
-    global _current
-    name, _ = strategies.select(backend)
-    if _current is not None:
-        if backend and backend != _current.name:
+    global _runtime
+    runtime = get()
+    if backend:
+        strategies.strategy_class(backend)  # a bad name stops here, in one line
+    if runtime.strategy is not None:
+        if backend and backend != runtime.strategy.name:
             raise KerasDistError(
-                f"keras_dist already runs the {_current.name!r} backend; call "
+                f"keras_dist already runs the {runtime.strategy.name!r} backend; call "
                 f"keras_dist.init(backend={backend!r}) before anything else uses keras_dist"
             )
-        return _current
-    _current = strategies.create(name, **options)
-    console.announce(_current)
-    return _current
+        return runtime.strategy
+    if backend and backend != runtime.backend:
+        # The script chose another backend than the launcher's: its strategy reads the environment its own way.
+        chosen = Runtime.from_environ(settings.environ(), backend, runtime.settings)
+        runtime = _runtime = dataclasses.replace(chosen, job_address=runtime.job_address)
+    runtime.strategy = strategies.create(runtime.backend, runtime.environment, **options)
+    console.announce(runtime.strategy)
+    return runtime.strategy
 
 
 def current() -> "Strategy":
     """The active strategy, starting the default one if `init` was not called."""
-    return _current if _current is not None else init()
+    strategy = get().strategy
+    return strategy if strategy is not None else init()

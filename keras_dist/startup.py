@@ -25,7 +25,6 @@ import logging
 import os
 import random
 import sys
-from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,23 +43,23 @@ def is_the_cli() -> bool:
     return os.path.basename(program) == "keras-dist" or program.endswith(os.path.join("keras_dist", "cli.py"))
 
 
-def start(environ: MutableMapping[str, str] = os.environ) -> None:
+def start() -> None:
     """The start-up effects of `import keras_dist` (see the module docstring)."""
     if is_the_cli():
         return
-    from keras_dist import console, runtime, strategies
+    from keras_dist import console, network, runtime, settings, strategies
     from keras_dist.launchers import processes
 
-    from keras_dist import environments, network
-
+    environ = settings.environ()
     if "tensorflow" not in sys.modules:
-        console.quiet_tensorflow_start(environ)
-    name, _ = strategies.select(environ=environ)
-    strategy = strategies.strategy_class(name)
-    environment = environments.detect(environ)
+        console.quiet_tensorflow_start(environ, settings.current())
+    facts = runtime.get()
+    environment = facts.environment
     if environment.size > 1:
-        network.choose_interface(environ, environment.coordinator or getattr(environment, "store", None))
-    strategy.prepare_process(environ)
+        facts.job_address = network.choose_interface(environ, environment.coordinator or
+                                                     getattr(environment, "store", None))
+    strategy = strategies.strategy_class(facts.backend)
+    strategy.prepare_process(environ, environment)
     processes.watch_launcher(environ)
     if strategy.shares_random_seed and environment.size > 1:
         share_random_seed(runtime.current())

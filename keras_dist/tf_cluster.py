@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
-from keras_dist import network
+from keras_dist import network, settings
 from keras_dist.errors import KerasDistError
 
 logger = logging.getLogger("keras_dist")
@@ -37,7 +37,7 @@ def detected_cluster(environ: Mapping[str, str]) -> dict | None:
     Example:
 
     ```python
-    has_ps = bool((detected_cluster(os.environ) or {}).get("ps"))
+    has_ps = bool((detected_cluster(environ) or {}).get("ps"))
     ```
     """
     text = environ.get("TF_CONFIG")
@@ -59,7 +59,7 @@ def parse_tf_config(text: str) -> tuple[dict[str, list[str]], str, int]:
     Example:
 
     ```python
-    cluster, kind, index = parse_tf_config(os.environ["TF_CONFIG"])
+    cluster, kind, index = parse_tf_config(environ["TF_CONFIG"])
     ```
     """
     try:
@@ -120,7 +120,7 @@ def prepare_server_process(environ: MutableMapping[str, str]) -> None:
     instance to reach a local cluster from another machine); the port check still runs.
 
     Args:
-        environ: the process environment (`os.environ`); TF_CONFIG must be set.
+        environ: the process environment (`keras_dist.settings.environ()`); TF_CONFIG must be set.
 
     Raises:
         KerasDistError: the port is taken, or the process cannot restart (an interactive
@@ -145,7 +145,7 @@ def prepare_server_process(environ: MutableMapping[str, str]) -> None:
     if port is None:
         raise KerasDistError(f"TF_CONFIG gives {kind}:{index} the address {address!r}, which has no port; write it as host:port")
     hosts = [_split_address(a)[0] for tasks in cluster.values() for a in tasks]
-    if environ.get(BIND_ALL_ENV) == "1":
+    if settings.current().bind_all:
         bind = None
     elif all(_loopback_ipv4(h) for h in hosts):
         bind = _loopback_ipv4(host)
@@ -300,7 +300,7 @@ def binding_env(environ: Mapping[str, str], address: str) -> dict[str, str]:
     Example:
 
     ```python
-    Task("worker:0", argv, env={"TF_CONFIG": config, **binding_env(os.environ, "127.0.0.1")})
+    Task("worker:0", argv, env={"TF_CONFIG": config, **binding_env(environ, "127.0.0.1")})
     ```
     """
     if not _binding_library_installed(environ, address):
@@ -321,7 +321,7 @@ def _binding_library_installed(environ, address):
     global _missing_library_said
     if BIND_LIBRARY.exists():
         return True
-    if not _missing_library_said and environ.get(BIND_ALL_ENV) != "1" and environ.get(BIND_ADDRESS_ENV) != address:
+    if not _missing_library_said and not settings.current().bind_all and environ.get(BIND_ADDRESS_ENV) != address:
         _missing_library_said = True
         logger.warning("keras_dist: %s is not installed (keras_dist was installed without a C compiler, or not on "
                        "Linux), so this job's TensorFlow servers and torch store listen on all interfaces, not on %s "

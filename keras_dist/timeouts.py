@@ -7,8 +7,7 @@ input pipelines, on every process at its own pace; later ones are short (Horovod
 collective timeout is 30 s).
 """
 
-import os
-from collections.abc import Mapping
+from keras_dist import settings
 
 STEP_TIMEOUT_VAR = "KERAS_DIST_STEP_TIMEOUT"
 DEFAULT_FIRST_STEP_TIMEOUT = 120.0
@@ -17,17 +16,16 @@ DEFAULT_STEP_TIMEOUT = 30.0
 FIRST_STEPS = 2
 
 
-def chosen(explicit: float | None = None, environ: Mapping[str, str] = os.environ) -> float | None:
+def chosen(explicit: float | None = None) -> float | None:
     """The user's step timeout in seconds: `explicit`, else `KERAS_DIST_STEP_TIMEOUT`; None: the defaults."""
-    value = explicit or environ.get(STEP_TIMEOUT_VAR)
-    return float(value) if value else None
+    return explicit or settings.current().step_timeout
 
 
-def first_steps(explicit: float | None = None, environ: Mapping[str, str] = os.environ) -> float:
+def first_steps(explicit: float | None = None) -> float:
     """Seconds a process may wait at start-up and in the first steps."""
-    return chosen(explicit, environ) or DEFAULT_FIRST_STEP_TIMEOUT
+    return chosen(explicit) or DEFAULT_FIRST_STEP_TIMEOUT
 
 
-def later_steps(explicit: float | None = None, environ: Mapping[str, str] = os.environ) -> float:
+def later_steps(explicit: float | None = None) -> float:
     """Seconds a process may wait in a step after the first ones."""
-    return chosen(explicit, environ) or DEFAULT_STEP_TIMEOUT
+    return chosen(explicit) or DEFAULT_STEP_TIMEOUT

@@ -15,13 +15,12 @@ import contextlib
 import inspect
 import itertools
 import logging
-import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_dist import inputs, optimizer_hooks
+from keras_dist import inputs, optimizer_hooks, settings
 from keras_dist.logs import flat_logs, metric_results
 from keras_dist.callbacks import background_writes, resume
 from keras_dist.callbacks.preemption import PreemptionNotice
@@ -29,7 +28,6 @@ from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck
 from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
-from keras_dist.launchers.processes import RESTART
 from keras_dist.overrides import override, set_while
 
 if TYPE_CHECKING:
@@ -92,10 +90,11 @@ class DistributedTraining:
             backup = resume.automatic_backup(call)
             script_callbacks.append(backup)
             arguments["callbacks"] += callbacks_for_this_worker([backup], self.strategy)
-        if os.environ.get(RESTART, "0") != "0" and self.strategy.is_chief and backup is None:
+        restart = settings.current().restart
+        if restart and self.strategy.is_chief and backup is None:
             logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
                            "so training starts over; run with keras-dist launch --backup-dir DIR (or add one) to "
-                           "resume where the job failed", os.environ[RESTART])
+                           "resume where the job failed", restart)
         position = resume.EpochPosition(seed=inputs.job_seed(self.strategy)) if backup and keras_loop else None
         # One process without a backup keeps the signals' own effect, as without keras_dist.
         notice = None

@@ -22,6 +22,13 @@ BIN = Path(PYTHON).parent
 QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "KERAS_DIST_BACKEND": ""}
 
 
+def selected_backend(environ, requested=None):
+    """The backend a process with the environment `environ` selects, read from that mapping only."""
+    from keras_dist import environments, settings, strategies
+
+    return strategies.select(requested, environ, settings.Settings.from_environ(environ), environments.detect(environ))[0]
+
+
 def run_many(commands, timeout, envs=None, cwd=None):
     """Runs the commands together, each in its own process group; returns `(code, output)`s.
 

@@ -11,9 +11,10 @@ import pytest
 import keras_dist
 from keras_dist import strategies
 from keras_dist.inputs import arrays
+from keras_dist.environments import LocalEnvironment
 from keras_dist.errors import KerasDistError
 
-from runner import BIN, PYTHON, ROOT, run
+from runner import BIN, PYTHON, ROOT, run, selected_backend
 
 
 def small_model():
@@ -70,11 +71,11 @@ def test_init_reports_topology():
     ({"HOROVOD_RANK": "0", "KERAS_DIST_BACKEND": "single"}, "single"),
 ])
 def test_backend_selection_from_the_environment(environ, expected):
-    assert strategies.select(environ=environ)[0] == expected
+    assert selected_backend(environ) == expected
 
 
 def test_explicit_backend_wins_over_environment():
-    assert strategies.select("horovod", environ={"KERAS_DIST_BACKEND": "single"})[0] == "horovod"
+    assert selected_backend({"KERAS_DIST_BACKEND": "single"}, "horovod") == "horovod"
 
 
 def test_unknown_backend_is_a_one_line_error():
@@ -158,7 +159,7 @@ def test_max_restarts_restarts_a_failed_job_and_says_when_fit_starts_over(tmp_pa
 
 def test_backend_options_are_checked():
     with pytest.raises(KerasDistError, match="backend 'single' takes no option tpu; remove it from keras_dist.init"):
-        strategies.create("single", tpu="my-tpu")
+        strategies.create("single", LocalEnvironment(), tpu="my-tpu")
 
 
 def test_learning_rate_warmup_leaves_the_rate_alone_when_resumed_past_the_ramp():
@@ -278,3 +279,40 @@ def test_info_says_whether_horovods_ops_load_for_each_framework_and_names_the_fi
     horovod = json.loads(done.stdout)["horovod"]
     assert horovod["tensorflow"]["ops"] == "load" and horovod["tensorflow"]["gloo"] is True, horovod
     assert "undefined symbol" in horovod["torch"] and "fix: keras-dist build-horovod" in horovod["torch"], horovod
+
+
+# Counts, in each process, the calls that derive a fact the runtime holds (Python's profiler
+# sees every call, keras_dist's own start-up included).
+COUNT_DERIVATIONS = """
+import atexit, collections, os, sys
+counts = collections.Counter()
+WATCHED = {("strategies/__init__.py", "select"): "select", ("environments.py", "detect"): "detect",
+           ("settings.py", "Settings.from_environ"): "settings", ("network.py", "choose_interface"): "interface"}
+def profile(frame, event, arg):
+    if event == "call" and "keras_dist" in frame.f_code.co_filename:
+        where = (frame.f_code.co_filename.split("keras_dist" + os.sep, 1)[-1], frame.f_code.co_qualname)
+        if where in WATCHED:
+            counts[WATCHED[where]] += 1
+        elif where[0] == "environments.py" and where[1].endswith("Environment.from_environ"):
+            counts["parse"] += 1
+sys.setprofile(profile)
+atexit.register(lambda: print("derivations", dict(sorted(counts.items())), flush=True))
+"""
+
+
+def test_each_task_selects_its_strategy_and_reads_its_environment_once(tmp_path):
+    pytest.importorskip("torch")
+    (tmp_path / "sitecustomize.py").write_text(COUNT_DERIVATIONS)
+    script = tmp_path / "train.py"
+    script.write_text("import numpy as np, keras\nimport keras_dist\n"
+                      "model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
+                      "keras_dist.compile(model, optimizer='sgd', loss='mse')\n"
+                      "model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, verbose=0)\n"
+                      "model.evaluate(np.ones((4, 3)), np.ones((4, 1)), verbose=0)\n"
+                      "keras_dist.init(); keras_dist.current()\n")
+    code, out = run([BIN / "keras-dist", "launch", "-n", 2, script], timeout=240,
+                    env={"KERAS_BACKEND": "torch", "PYTHONPATH": str(tmp_path)})
+    assert code == 0, out[-3000:]
+    tasks = [line for line in out.splitlines() if line.startswith("[rank:") and "derivations" in line]
+    once = "{'detect': 1, 'interface': 1, 'parse': 1, 'select': 1, 'settings': 1}"
+    assert sorted(tasks) == [f"[rank:{rank}] derivations {once}" for rank in (0, 1)], out[-3000:]

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from keras_dist.strategies.base import BUCKET_BYTES_VAR, bucket_bytes, buckets
+from keras_dist.settings import Settings
+from keras_dist.strategies.base import bucket_bytes, buckets
 
 DTYPES = ["float32", "float16", "bfloat16", "int64"]
 CASES = 400
@@ -102,27 +103,24 @@ def test_buckets_match_ddps_assignment_for_tensors_of_one_dtype():
     assert compared > 50
 
 
-def test_bucket_bytes_reads_its_variable_else_the_default(monkeypatch):
-    assert BUCKET_BYTES_VAR == "KERAS_DIST_BUCKET_BYTES"
-    monkeypatch.delenv(BUCKET_BYTES_VAR, raising=False)
-    assert bucket_bytes(default=123) == 123
-    assert bucket_bytes(default=0) == 0
-    monkeypatch.setenv(BUCKET_BYTES_VAR, "")  # set but empty: the default
-    assert bucket_bytes(default=123) == 123
-    monkeypatch.setenv(BUCKET_BYTES_VAR, "4096")
-    assert bucket_bytes(default=123) == 4096
-    assert bucket_bytes(default=0) == 4096
-    monkeypatch.setenv(BUCKET_BYTES_VAR, "0")  # 0 is a choice (a collective per tensor), not "unset"
-    assert bucket_bytes(default=123) == 0
+def chosen(value=None):
+    return Settings.from_environ({} if value is None else {"KERAS_DIST_BUCKET_BYTES": value})
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="bucket_bytes() calls int() on the variable unchecked: a bad value is a ValueError "
-                          "traceback, not keras_dist's one-line KerasDistError")
-@pytest.mark.parametrize("value", ["25MB", "1e6", "lots"])
-def test_a_bad_bucket_bytes_value_is_a_one_line_error(monkeypatch, value):
+def test_bucket_bytes_reads_its_variable_else_the_default():
+    assert bucket_bytes(default=123, chosen=chosen()) == 123
+    assert bucket_bytes(default=0, chosen=chosen()) == 0
+    assert bucket_bytes(default=123, chosen=chosen("")) == 123  # set but empty: the default
+    assert bucket_bytes(default=123, chosen=chosen("4096")) == 4096
+    assert bucket_bytes(default=0, chosen=chosen("4096")) == 4096
+    # 0 is a choice (a collective per tensor), not "unset"
+    assert bucket_bytes(default=123, chosen=chosen("0")) == 0
+
+
+@pytest.mark.parametrize("value", ["25MB", "1e6", "lots", "-5"])
+def test_a_bad_bucket_bytes_value_is_a_one_line_error(value):
     from keras_dist.errors import KerasDistError
 
-    monkeypatch.setenv(BUCKET_BYTES_VAR, value)
-    with pytest.raises(KerasDistError, match=BUCKET_BYTES_VAR):
-        bucket_bytes(default=123)
+    with pytest.raises(KerasDistError, match="KERAS_DIST_BUCKET_BYTES") as error:
+        chosen(value)
+    assert "\n" not in str(error.value)

@@ -8,7 +8,6 @@ dataset sizes 0..9 and 37, 1..4 shards, shuffle on and off, training (padded) an
 evaluation (not), drop_last, three epochs, and the epoch a fit resumes inside.
 """
 
-import math
 
 import pytest
 

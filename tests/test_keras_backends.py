@@ -87,9 +87,9 @@ def test_compiling_again_after_freezing_a_layer(tmp_path, keras_backend):
 
 def test_import_and_detection_need_no_tensorflow(keras_backend):
     script = ("import sys, keras_dist\n"
-              "from keras_dist import strategies\n"
-              "print(strategies.select(environ={'RANK': '1', 'WORLD_SIZE': '2', 'MASTER_ADDR': 'h', 'MASTER_PORT': '1'})[0],"
-              " strategies.select()[0], sorted(m for m in ('tensorflow', 'horovod') if m in sys.modules))\n")
+              "from keras_dist.runtime import Runtime, get\n"
+              "print(Runtime.from_environ({'RANK': '1', 'WORLD_SIZE': '2', 'MASTER_ADDR': 'h', 'MASTER_PORT': '1'}).backend,"
+              " get().backend, sorted(m for m in ('tensorflow', 'horovod') if m in sys.modules))\n")
     code, out = run([PYTHON, "-c", script], timeout=120, env={"KERAS_BACKEND": keras_backend})
     assert code == 0 and out.strip().splitlines()[-1] == f"{KERAS_BACKENDS[keras_backend]} single []", out[-2000:]
 

@@ -46,9 +46,9 @@ def config(cluster, task):
 
 def test_detection_and_topology_from_tf_config(monkeypatch):
     two = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
-    assert strategies.select(environ={"TF_CONFIG": config(two, {"type": "worker", "index": 1})})[0] == "multi_worker_mirrored"
+    assert runner.selected_backend({"TF_CONFIG": config(two, {"type": "worker", "index": 1})}) == "multi_worker_mirrored"
     ps = {**two, "ps": ["127.0.0.1:3"]}
-    assert strategies.select(environ={"TF_CONFIG": config(ps, {"type": "worker", "index": 0})})[0] != "multi_worker_mirrored"
+    assert runner.selected_backend({"TF_CONFIG": config(ps, {"type": "worker", "index": 0})}) != "multi_worker_mirrored"
     assert parse_tf_config(config({"chief": ["a:1"], **two}, {"type": "worker", "index": 1}))[1:] == ("worker", 1)
 
 

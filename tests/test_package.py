@@ -20,7 +20,6 @@ import os
 import shutil
 import site
 import subprocess
-import sys
 import tarfile
 import zipfile
 from pathlib import Path

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from runner import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, run
+from runner import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, run, selected_backend
 from keras_dist import strategies
 from keras_dist import launchers
 from keras_dist.strategies.parameter_server.loop import CoordinatedSteps, refuse_batch_log_readers
 from keras_dist.strategies.parameter_server.strategy import ParameterServerStrategy
+from keras_dist.environments import LocalEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.launchers.processes import kill_process_groups
 from keras_dist.tf_cluster import tcp_listeners
@@ -211,7 +212,7 @@ def test_losing_a_ps_stops_the_job_and_a_rerun_resumes_from_the_last_epoch(tmp_p
 def test_detected_from_tf_config_with_ps_tasks():
     cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
     config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})
-    assert strategies.select(environ={"TF_CONFIG": config})[0] == "parameter_server"
+    assert selected_backend({"TF_CONFIG": config}) == "parameter_server"
 
 
 @pytest.mark.parametrize("cluster, task, fix", [
@@ -221,7 +222,7 @@ def test_detected_from_tf_config_with_ps_tasks():
 def test_unusable_clusters_get_a_one_line_error(cluster, task, fix):
     config = json.dumps({"cluster": cluster, "task": {"type": task, "index": 0}})
     with pytest.raises(KerasDistError, match=fix) as error:
-        ParameterServerStrategy.prepare_process({"TF_CONFIG": config})
+        ParameterServerStrategy.prepare_process({"TF_CONFIG": config}, LocalEnvironment())
     assert "\n" not in str(error.value)
 
 

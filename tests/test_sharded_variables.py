@@ -152,15 +152,15 @@ def test_sharded_variables_refuse_custom_train_steps_and_weight_decay_in_one_lin
     assert sharded_variables.train_step(frozen) == frozen.train_step
 
 
-def test_bad_shard_size_and_run_eagerly_are_refused_in_one_line(monkeypatch):
-    from keras_dist.strategies.parameter_server.strategy import ParameterServerStrategy, _partitioner_from_environment
+def test_bad_shard_size_and_run_eagerly_are_refused_in_one_line():
+    from keras_dist.settings import Settings
+    from keras_dist.strategies.parameter_server.strategy import ParameterServerStrategy, _partitioner_from_settings
 
     for text in ("0", "64k", "²"):
-        monkeypatch.setenv("KERAS_DIST_MIN_SHARD_BYTES", text)
-        with pytest.raises(KerasDistError, match="not a positive number of bytes"):
-            _partitioner_from_environment(2)
-    monkeypatch.setenv("KERAS_DIST_MIN_SHARD_BYTES", "1024")
-    assert _partitioner_from_environment(2)(tf.TensorShape([1000, 8]), tf.float32) == [2, 1]
+        with pytest.raises(KerasDistError, match="KERAS_DIST_MIN_SHARD_BYTES='.*' is not a number of at least 1"):
+            Settings.from_environ({"KERAS_DIST_MIN_SHARD_BYTES": text})
+    chosen = Settings.from_environ({"KERAS_DIST_MIN_SHARD_BYTES": "1024"})
+    assert _partitioner_from_settings(2, chosen)(tf.TensorShape([1000, 8]), tf.float32) == [2, 1]
     model = make_model()
     model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
     backend = object.__new__(ParameterServerStrategy)  # the check comes before any cluster is used

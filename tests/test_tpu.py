@@ -5,7 +5,6 @@ import pytest
 
 import runner
 
-from keras_dist import strategies  # noqa: E402
 from keras_dist.strategies.tpu import tpu_address  # noqa: E402
 
 
@@ -20,8 +19,8 @@ def test_address_selection(tmp_path):
 
 
 def test_detection():
-    assert strategies.select(environ={"TPU_NAME": "my-tpu"})[0] == "tpu"
-    assert strategies.select(environ={})[0] == "single"
+    assert runner.selected_backend({"TPU_NAME": "my-tpu"}) == "tpu"
+    assert runner.selected_backend({}) == "single"
 
 
 @pytest.mark.timeout(300)

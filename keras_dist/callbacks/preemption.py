@@ -21,7 +21,6 @@ training before the save begins, and fast steps pay for one collective a second 
 """
 
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING
 import keras
 import numpy as np
 
+from keras_dist import settings
 from keras_dist.callbacks import background_writes
 from keras_dist.launchers.processes import NOTICE_SIGNALS
 
@@ -145,17 +145,17 @@ class PreemptionNotice(keras.callbacks.Callback):
                                "keras-dist launch --backup-dir DIR (or KERAS_DIST_BACKUP_DIR) to resume from here "
                                "(exit %s)", PREEMPTED_EXIT_CODE)
             if self.saved_in and self.requeue:
-                requeue_slurm_job(os.environ)
+                requeue_slurm_job(settings.environ(), settings.current())
         sys.stdout.flush()
         sys.stderr.flush()
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
 
-def requeue_slurm_job(environ: Mapping[str, str]) -> None:
+def requeue_slurm_job(environ: Mapping[str, str], chosen: settings.Settings) -> None:
     """Puts the SLURM batch job this process runs in back in the queue (`scontrol requeue`),
     where there is one and `KERAS_DIST_SLURM_REQUEUE` is not `0`; says in one line what came of it."""
     job = environ.get("SLURM_JOB_ID")
-    if not job or environ.get(SLURM_REQUEUE, "1") == "0":
+    if not job or not chosen.slurm_requeue:
         return
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)

@@ -34,8 +34,8 @@ import keras
 import numpy as np
 
 from keras_dist.callbacks.preemption import PreemptionNotice
+from keras_dist import settings
 from keras_dist.errors import KerasDistError
-from keras_dist.launchers.processes import BACKUP_DIR
 from keras_dist.overrides import methods_while, override
 
 if TYPE_CHECKING:
@@ -112,21 +112,14 @@ def backup_of(callbacks: list) -> keras.callbacks.BackupAndRestore | None:
                  if isinstance(c, keras.callbacks.BackupAndRestore)), None)
 
 
-# Seconds between those backups, besides each epoch's end and the preemption notice.
-BACKUP_SECONDS = "KERAS_DIST_BACKUP_SECONDS"
-# Five minutes: a hard failure (a host lost, out of memory: no notice) costs at most that
-# much training, while a backup of a large model (seconds to write) costs little of it.
-_DEFAULT_BACKUP_SECONDS = 300.0
-
-
 def backup_directory() -> str | None:
     """The directory of automatic backups (`KERAS_DIST_BACKUP_DIR`), or None."""
-    return os.environ.get(BACKUP_DIR) or None
+    return settings.current().backup_dir
 
 
 def backup_seconds() -> float:
     """The seconds between automatic backups inside an epoch (`KERAS_DIST_BACKUP_SECONDS`, default 300)."""
-    return float(os.environ.get(BACKUP_SECONDS) or _DEFAULT_BACKUP_SECONDS)
+    return settings.current().backup_seconds
 
 
 def automatic_backup(call: int) -> keras.callbacks.BackupAndRestore:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import os
 import socket
 import time
 from typing import Any
 
 import numpy as np
 
-from keras_dist import network, timeouts
+from keras_dist import timeouts
 from keras_dist.collectives import PEERS_SECONDS, Collectives, flatten, unflatten
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
@@ -62,12 +61,13 @@ class TorchDistributed(TorchTensors):
     """`torch.distributed`: gloo on CPUs (CPU tensors), NCCL on GPUs (the local rank's GPU).
 
     Starts the default process group where the launcher started several processes and
-    the script has not started one itself.
+    the script has not started one itself. `job_address`: the address this process's
+    interface to the job has (`keras_dist.runtime`), for the error that says which it advertised.
     """
 
     name = "torch.distributed"
 
-    def __init__(self, torch: Any, environment: ClusterEnvironment):
+    def __init__(self, torch: Any, environment: ClusterEnvironment, job_address: str | None = None):
         import torch.distributed as dist
 
         self._dist = dist
@@ -81,7 +81,6 @@ class TorchDistributed(TorchTensors):
             # (a checkpoint) between steps, so it waits as long as a first step may take:
             # bounded, where gloo's default is 30 minutes.
             self.timeout = timeouts.first_steps()
-            advertised = network.choose_interface(os.environ, coordinator)
             try:
                 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                         init_method=f"tcp://{coordinator}", rank=environment.rank,
@@ -89,7 +88,7 @@ class TorchDistributed(TorchTensors):
             except RuntimeError as exc:  # DistBackendError and DistStoreError too
                 raise KerasDistError(
                     f"rank {environment.rank} did not connect to the job at {coordinator} within {self.timeout:g} s, "
-                    f"advertising {advertised or socket.gethostname()} to its peers ({_first_line(exc)}); set "
+                    f"advertising {job_address or socket.gethostname()} to its peers ({_first_line(exc)}); set "
                     "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the interface the other machines reach, "
                     f"or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart") from None
             self._coordinator = coordinator

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, TextIO
 
-from keras_dist import console
+from keras_dist import console, settings
 
 if TYPE_CHECKING:
     from keras_dist.launchers.base import Task
@@ -79,8 +79,9 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
     if inherited:
         out.write(f"[keras-dist] ignoring {', '.join(inherited)} from the shell: each task gets its own\n")
     base = {k: v for k, v in os.environ.items() if k not in inherited}
-    console.quiet_tensorflow_start(base)
-    quiet = not console.debugging(base)
+    chosen = settings.Settings.from_environ(base)
+    console.quiet_tensorflow_start(base, chosen)
+    quiet = not chosen.debug_log
     procs, pumps = [], []
     terminate_with_parent = _parent_death_signal()
     handled = NOTICE_SIGNALS if threading.current_thread() is threading.main_thread() else ()

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
+    from keras_dist.environments import ClusterEnvironment
     from keras_dist.launchers.base import Task
     from keras_dist.launchers.nodes import Nodes
+    from keras_dist.settings import Settings
     from keras_dist.strategies.base import Strategy
 
 
@@ -80,35 +82,38 @@ def strategy_class(name: str) -> type["Strategy"]:
     return getattr(importlib.import_module(module), cls)
 
 
-def select(requested: str | None = None, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+def select(requested: str | None, environ: Mapping[str, str], chosen: "Settings",
+           detected: "ClusterEnvironment") -> tuple[str, str]:
     """Returns `(name, reason)` for the backend this process should use.
 
-    `environ` (default: `os.environ`) holds what the launcher set; the Keras backend is
-    this process's own, as Keras reads it.
+    Args:
+        requested: the name given to `keras_dist.init(backend=...)`, if any.
+        environ: what the launcher set (the Keras backend is read as Keras reads it).
+        chosen: keras_dist's settings (`KERAS_DIST_BACKEND`).
+        detected: the cluster environment the launcher set (`environments.detect`).
     """
-    environ = os.environ if environ is None else environ
-    running = keras_backend(os.environ)
-    if requested or environ.get(ENV_VAR):
-        name = requested or environ[ENV_VAR]
+    running = keras_backend(environ)
+    if requested or chosen.backend:
+        name = requested or chosen.backend
         trains_on = REGISTRY[name].keras_backend if name in REGISTRY else None
         if trains_on not in (None, running):
             raise KerasDistError(f"backend {name!r} trains Keras on {trains_on}, but Keras runs on {running}; "
                                  f"set KERAS_BACKEND={trains_on} or choose another backend")
         return name, "requested by keras_dist.init(backend=...)" if requested else f"set by {ENV_VAR}"
     for name, (trains_on, _, _) in REGISTRY.items():
-        if name != "single" and trains_on in (None, running) and strategy_class(name).detect(environ):
+        if name != "single" and trains_on in (None, running) and strategy_class(name).detect(environ, detected):
             return name, f"detected the {name} launcher's environment"
     return "single", "no launcher detected"
 
 
-def create(name: str, environ: Mapping[str, str] | None = None, **options: Any) -> "Strategy":
-    """A started backend, given its cluster environment read from `environ` (default:
-    `os.environ`); `options` go to its constructor (e.g. `tpu=` for `tpu`)."""
+def create(name: str, environment: "ClusterEnvironment", **options: Any) -> "Strategy":
+    """A started backend in `environment` (its `cluster_environment`); `options` go to its
+    constructor (e.g. `tpu=` for `tpu`)."""
     cls = strategy_class(name)
     unknown = set(options) - (set(inspect.signature(cls.__init__).parameters) - {"environment"})
     if unknown:
         raise KerasDistError(f"backend {name!r} takes no option {', '.join(sorted(unknown))}; remove it from keras_dist.init")
-    return cls(cls.cluster_environment(os.environ if environ is None else environ), **options)
+    return cls(environment, **options)
 
 
 def launcher_of(name: str) -> str:

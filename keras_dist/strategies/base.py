@@ -17,14 +17,13 @@ Three families fit behind it:
 
 import abc
 import contextlib
-import os
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from keras_dist import environments
+from keras_dist import settings
 from keras_dist.collectives import SINGLE, Collectives
 from keras_dist.environments import ClusterEnvironment, LocalEnvironment
 
@@ -46,16 +45,15 @@ class GradientOptions:
     compression: str | None = None
 
 
-BUCKET_BYTES_VAR = "KERAS_DIST_BUCKET_BYTES"
-
-
-def bucket_bytes(default: int) -> int:
-    """Bytes of gradients per collective: `KERAS_DIST_BUCKET_BYTES`, else the backend's `default`.
+def bucket_bytes(default: int, chosen: "settings.Settings | None" = None) -> int:
+    """Bytes of gradients per collective: `KERAS_DIST_BUCKET_BYTES` (from `chosen`, default
+    this process's settings), else the backend's `default`.
 
     Smaller buckets start communicating earlier in the backward pass; larger ones pay
     fewer collectives' fixed costs. 0: one collective per gradient tensor.
     """
-    return int(os.environ.get(BUCKET_BYTES_VAR) or default)
+    value = (chosen or settings.current()).bucket_bytes
+    return default if value is None else value
 
 
 def buckets(sizes: list[int], dtypes: list, limit: int, first: int | None = None) -> list[list[int]]:
@@ -134,18 +132,23 @@ class Strategy(abc.ABC):
         self.environment = environment or LocalEnvironment()
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
-        """Whether the process was started by a launcher this strategy trains under."""
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
+        """Whether the process was started by a launcher this strategy trains under.
+
+        `detected`: the cluster environment read from `environ` (`environments.detect`).
+        """
         return False
 
     @classmethod
-    def cluster_environment(cls, environ: Mapping[str, str]) -> ClusterEnvironment:
-        """This process's place in its job, read from `environ`: the launcher's that started it."""
-        return environments.detect(environ)
+    def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> ClusterEnvironment:
+        """This process's place in its job: `detected`, the launcher's that started it, unless
+        this strategy reads its own from `environ`."""
+        return detected
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
-        """Called at `import keras_dist`, before the framework starts, when `detect` is true.
+    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
+        """Called at `import keras_dist` for the chosen strategy, before the framework starts;
+        `environment` is this process's place (`cluster_environment`).
 
         The place for settings TensorFlow reads only once (thread pools, visible devices).
         """

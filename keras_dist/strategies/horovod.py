@@ -7,17 +7,16 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 
 import logging
 import math
-import os
 import socket
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import timeouts
+from keras_dist import settings, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
-from keras_dist.environments import MPIEnvironment, threads_per_process
+from keras_dist.environments import ClusterEnvironment, MPIEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
@@ -59,25 +58,25 @@ class HorovodStrategy(Strategy):
     reduces_in_keras_dist = True
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
         return MPIEnvironment.detect(environ)
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
+    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
         # N processes on one host would each start a thread pool as wide as the machine;
         # give each its share of the cores unless the user chose.
-        local_size = cls.cluster_environment(environ).local_size
+        local_size = environment.local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             environ["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
         # The one step-timeout setting of every backend is, on Horovod, its Gloo timeout
         # (read once, by hvd.init; 30 s by default), unless horovodrun's own was given.
-        step_timeout = timeouts.chosen(environ=environ)
+        step_timeout = timeouts.chosen()
         if step_timeout is not None and GLOO_TIMEOUT not in environ:
             environ[GLOO_TIMEOUT] = str(math.ceil(step_timeout))
 
     @classmethod
-    def cluster_environment(cls, environ: Mapping[str, str]) -> MPIEnvironment:
-        return MPIEnvironment.from_environ(environ)
+    def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> MPIEnvironment:
+        return detected if isinstance(detected, MPIEnvironment) else MPIEnvironment.from_environ(environ)
 
     def __init__(self, environment: MPIEnvironment | None = None):
         super().__init__(environment)
@@ -130,7 +129,7 @@ class HorovodStrategy(Strategy):
             stopped = ", ".join(f"rank {r} on {host}" for r, host in zip(silent, hosts))
         except OSError:  # the store is horovodrun's, on the launching machine
             stopped = f"horovodrun's machine ({environment.store})"
-        timeout = os.environ.get(GLOO_TIMEOUT, "30")
+        timeout = settings.environ().get(GLOO_TIMEOUT, "30")
         return (f"{stopped or 'a peer'} stopped answering within {timeout} s ({timeouts.STEP_TIMEOUT_VAR}, or "
                 "horovodrun --gloo-timeout-seconds): its machine froze, lost its network or ended")
 

@@ -27,7 +27,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist import environments, network, timeouts
+from keras_dist import network, runtime, settings, timeouts
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
@@ -40,8 +40,9 @@ logger = logging.getLogger("keras_dist")
 _started = False
 
 
-def _start_process_group(environ):
-    """Joins this process to its job's JAX process group (once, before any JAX computation).
+def _start_process_group(environment):
+    """Joins this process (at `environment`'s place) to its job's JAX process group (once,
+    before any JAX computation).
 
     `keras.distribution.initialize` also agrees on one random seed; keras_dist does that
     for every strategy in `keras_dist.startup`, without importing TensorFlow.
@@ -51,7 +52,6 @@ def _start_process_group(environ):
         return
     import jax
 
-    environment = environments.detect(environ)
     if environment.size > 1:
         coordinator = environment.rendezvous()
         if coordinator is None:
@@ -63,14 +63,14 @@ def _start_process_group(environ):
         # CPU processes need a collectives implementation; GPUs use NCCL whatever this says.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         host, port = coordinator.rsplit(":", 1)
-        address = network.choose_interface(environ, coordinator)
+        address = runtime.get().job_address
         # The coordinator listens on the job's address only (a local cluster: loopback).
         bind = "127.0.0.1" if network.names_loopback(host.strip("[]")) else address
         if bind == address and address is not None and address != network.reaching_address(host.strip("[]")):
             # This machine is the coordinator's, and its name resolves to loopback here (Debian's
             # 127.0.1.1), where the coordinator does not listen: reach it by its address.
             coordinator = f"{address}:{port}"
-        start = timeouts.first_steps(environ=environ)
+        start = timeouts.first_steps()
         unjoined = (f"process {environment.rank} did not join JAX's process group at {coordinator} within {start:g} s, "
                     f"advertising {address}; check the coordinator address and set GLOO_SOCKET_IFNAME to the interface "
                     f"the other machines reach, or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart")
@@ -79,14 +79,14 @@ def _start_process_group(environ):
         watchdog = threading.Timer(start, _give_up, (unjoined,))
         watchdog.daemon = True
         watchdog.start()
-        later = timeouts.later_steps(environ=environ)
+        later = timeouts.later_steps()
         try:
             # JAX's heartbeats end the job too, after keras_dist's own `_PeerWatch`: at twice its
             # timeout (seen: JAX's abort first, 10.9 s after a freeze, at `later` + 10 s).
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
                                        process_id=environment.rank, initialization_timeout=int(start) + 5,
                                        heartbeat_timeout_seconds=2 * int(later) + _PeerWatch.MARGIN,
-                                       coordinator_bind_address=None if bind is None or environ.get("KERAS_DIST_BIND_ALL") == "1"
+                                       coordinator_bind_address=None if bind is None or settings.current().bind_all
                                        else f"{bind}:{port}")
         except RuntimeError as exc:
             raise KerasDistError(f"JAX's process group did not start ({str(exc).splitlines()[0]}); `import keras_dist` "
@@ -205,12 +205,12 @@ class JaxDataParallelStrategy(Strategy):
     shares_random_seed = True
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
-        return environments.detect(environ).size > 1
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
+        return detected.size > 1
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
-        _start_process_group(environ)
+    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
+        _start_process_group(environment)
 
     def __init__(self, environment: ClusterEnvironment | None = None):
         super().__init__(environment)
@@ -219,7 +219,7 @@ class JaxDataParallelStrategy(Strategy):
                                  "set KERAS_BACKEND=jax before Python starts")
         import jax
 
-        _start_process_group(os.environ)
+        _start_process_group(self.environment)
         self._jax = jax
         self.collectives = JaxProcesses(jax)
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)

@@ -4,6 +4,7 @@
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from keras_dist.environments import ClusterEnvironment
 from keras_dist.keras_workarounds import with_undivided_losses
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy, local_replica_devices
 
@@ -31,7 +32,7 @@ class MirroredStrategy(TFDistributeStrategy):
     name = "mirrored"
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
         return (_visible_gpu_count(environ) or 0) > 1 and "TF_CONFIG" not in environ
 
     def make_strategy(self) -> "tf.distribute.Strategy":

@@ -21,7 +21,7 @@ from keras_dist.collectives.tf_distribute import TFDistribute
 from keras_dist.strategies.base import InputPlan, bucket_bytes
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.callbacks.scratch import ScratchCallback
-from keras_dist.environments import TFConfigEnvironment, threads_per_process
+from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
 from keras_dist.tf_cluster import detected_cluster, prepare_server_process
@@ -55,14 +55,14 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
                          functools.partial(keras_workarounds.step_functions, scalar_logs=True, skip_empty_batches=True))
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
         cluster = detected_cluster(environ)  # {} when unreadable: this backend reports what is wrong
         return cluster is not None and not cluster.get("ps")
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
+    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
         global _strategy
-        local_size = cls.cluster_environment(environ).local_size
+        local_size = environment.local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             # Workers sharing this machine would each size a thread pool for all of it.
             environ["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
@@ -71,8 +71,8 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
             _strategy = _make_strategy()
 
     @classmethod
-    def cluster_environment(cls, environ: Mapping[str, str]) -> TFConfigEnvironment:
-        return TFConfigEnvironment.from_environ(environ)
+    def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> TFConfigEnvironment:
+        return detected if isinstance(detected, TFConfigEnvironment) else TFConfigEnvironment.from_environ(environ)
 
     def __init__(self, environment: TFConfigEnvironment):
         if environment.rank >= environment.size:

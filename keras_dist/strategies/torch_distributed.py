@@ -18,11 +18,10 @@ train.py`, or any launcher whose cluster environment names a coordinator (`srun`
 """
 
 import itertools
-import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import environments
+from keras_dist import runtime, settings
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment
@@ -51,8 +50,8 @@ class TorchDistributedStrategy(Strategy):
     shares_random_seed = True
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
-        return environments.detect(environ).size > 1
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
+        return detected.size > 1
 
     def __init__(self, environment: ClusterEnvironment | None = None):
         import keras
@@ -66,7 +65,7 @@ class TorchDistributedStrategy(Strategy):
 
         self._torch = torch
         environment = self.environment
-        if environment.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        if environment.local_size > 1 and "OMP_NUM_THREADS" not in settings.environ():
             # Processes sharing this machine would each size a thread pool for all of it.
             torch.set_num_threads(environment.threads_per_process)
         if torch.cuda.is_available() and environment.size > 1:
@@ -180,22 +179,23 @@ class TorchDistributedStrategy(Strategy):
 
 def _collectives(torch, environment):
     """Horovod's torch operations under horovodrun where Horovod was built for PyTorch, else torch.distributed."""
-    if "HOROVOD_RANK" in os.environ:  # horovodrun, or `keras-dist launch --backend horovod`
+    if "HOROVOD_RANK" in settings.environ():  # horovodrun, or `keras-dist launch --backend horovod`
         try:
             import horovod.torch as hvd
         except Exception:  # not installed, or built without PyTorch (Horovod raises its own errors)
             pass
         else:
             return HorovodTorch(torch, hvd)
-    return TorchDistributed(torch, environment)
+    return TorchDistributed(torch, environment, runtime.get().job_address)
 
 
 def tensor_buckets(tensors: Sequence["torch.Tensor"], first: int | None = None) -> list[list["torch.Tensor"]]:
     """`tensors` in consecutive runs of one dtype of about `bucket_bytes()` (`buckets`); the first run
     of about `first` bytes where the user chose no bucket size."""
+    chosen = settings.current().bucket_bytes
     limit = bucket_bytes(BUCKET_BYTES)
     runs = buckets([t.numel() * t.element_size() for t in tensors], [t.dtype for t in tensors], limit,
-                   first if limit == BUCKET_BYTES else None)
+                   first if chosen is None else None)
     return [[tensors[i] for i in run] for run in runs]
 
 

@@ -4,7 +4,7 @@ import glob
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from keras_dist import keras_workarounds
+from keras_dist import keras_workarounds, settings
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
@@ -29,7 +29,7 @@ def tpu_address(environ: Mapping[str, str], requested: str | None = None,
     Example:
 
     ```python
-    tpu_address(os.environ)  # "my-tpu", "local" on a TPU VM, or None
+    tpu_address(settings.environ())  # "my-tpu", "local" on a TPU VM, or None
     ```
     """
     if requested:
@@ -60,15 +60,13 @@ class TPUStrategy(TFDistributeStrategy):
         super().__init__(environment)
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
         return bool(environ.get("TPU_NAME") or environ.get("KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS"))
 
     def make_strategy(self) -> "tf.distribute.Strategy":
-        import os
-
         import tensorflow as tf
 
-        address = tpu_address(os.environ, self.requested_tpu or os.environ.get("KERAS_DIST_TPU"))
+        address = tpu_address(settings.environ(), self.requested_tpu or settings.current().tpu)
         if address is None:
             raise KerasDistError(
                 "backend 'tpu' found no TPU: set TPU_NAME (or KERAS_DIST_TPU) to your TPU's name, "

@@ -1,7 +1,6 @@
 """The parameter-server strategy, as the chief runs it (`keras_dist.init` on the chief)."""
 
 import contextlib
-import os
 import sys
 import threading
 import weakref
@@ -11,8 +10,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, network, optimizer_hooks, timeouts
-from keras_dist.environments import TFConfigEnvironment
+from keras_dist import keras_workarounds, network, optimizer_hooks, settings, timeouts
+from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.strategies.base import GradientOptions, Strategy
 from keras_dist.strategies.parameter_server.loop import CoordinatedSteps
@@ -20,7 +19,6 @@ from keras_dist.strategies.parameter_server.server import SERVING_TASKS, announc
 from keras_dist.strategies.tf_strategy import adopt_optimizer, move_variables
 from keras_dist.tf_cluster import detected_cluster, prepare_server_process
 
-MIN_SHARD_BYTES_VAR = "KERAS_DIST_MIN_SHARD_BYTES"
 
 
 class ParameterServerStrategy(Strategy):
@@ -69,11 +67,11 @@ class ParameterServerStrategy(Strategy):
     runs_keras_loops = False
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str]) -> bool:
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
         return bool((detected_cluster(environ) or {}).get("ps"))
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str]) -> None:
+    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
         ps_cluster(environ)  # its one-line errors first
         prepare_server_process(environ)
         cluster, kind, index = ps_cluster(environ)  # as it may have rewritten TF_CONFIG
@@ -87,9 +85,9 @@ class ParameterServerStrategy(Strategy):
                                                   job_name="chief")
 
     @classmethod
-    def cluster_environment(cls, environ: Mapping[str, str]) -> TFConfigEnvironment:
+    def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> TFConfigEnvironment:
         ps_cluster(environ)  # its one-line errors first
-        return TFConfigEnvironment.from_environ(environ)
+        return detected if isinstance(detected, TFConfigEnvironment) else TFConfigEnvironment.from_environ(environ)
 
     def __init__(self, environment: TFConfigEnvironment, variable_partitioner: Any = None, step_timeout: float | None = None):
         super().__init__(environment)
@@ -100,7 +98,7 @@ class ParameterServerStrategy(Strategy):
                                  "only the 'chief' task runs the script past `import keras_dist`")
         self.cluster = cluster
         self.num_workers = len(cluster["worker"])
-        self.variable_partitioner = variable_partitioner or _partitioner_from_environment(len(cluster["ps"]))
+        self.variable_partitioner = variable_partitioner or _partitioner_from_settings(len(cluster["ps"]))
         self.strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
                                                               variable_partitioner=self.variable_partitioner)
         if self.strategy.num_replicas_in_sync > 1:
@@ -176,14 +174,11 @@ class ParameterServerStrategy(Strategy):
             raise
 
 
-def _partitioner_from_environment(num_ps):
-    text = os.environ.get(MIN_SHARD_BYTES_VAR, "")
-    if not text:
+def _partitioner_from_settings(num_ps, chosen=None):
+    min_shard_bytes = (chosen or settings.current()).min_shard_bytes
+    if min_shard_bytes is None:
         return None
-    if not text.isdecimal() or int(text) < 1:
-        raise KerasDistError(f"{MIN_SHARD_BYTES_VAR}={text!r} is not a positive number of bytes; "
-                             "set it to e.g. 262144 or unset it")
-    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=int(text), max_shards=num_ps)
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=min_shard_bytes, max_shards=num_ps)
 
 
 def _lost_task_message(exc, lost):

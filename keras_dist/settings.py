@@ -1,0 +1,190 @@
+"""Every setting keras_dist reads, and every framework variable it reads or sets, in one place.
+
+`Settings.from_environ(mapping)` reads keras_dist's own settings (`KERAS_DIST_*`) from a
+mapping once, checking each value, so that a bad value stops the job in one line naming the
+variable. `current()` is this process's, read from its environment when first asked for;
+tests build their own from a mapping.
+
+`VARIABLES` declares each variable with its type, default and one line of documentation;
+docs/settings.md is checked against it. Who-am-I variables (the launchers' ranks and
+addresses) are read by `keras_dist.environments`, and the launchers write their tasks'
+environments; nothing else reads the process environment except through `environ()`.
+"""
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+from keras_dist.errors import KerasDistError
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One environment variable: who sets it, what it holds, what it does.
+
+    `role`: "setting" (the user sets it), "launcher" (keras_dist's launcher sets it for its
+    tasks) or "framework" (a variable of TensorFlow, Horovod, Gloo, NCCL, XLA or OpenMP that
+    keras_dist sets where the user did not, or reads).
+    """
+
+    name: str
+    role: str
+    type: str
+    default: str
+    doc: str
+
+
+VARIABLES = (
+    # keras_dist's settings.
+    Variable("KERAS_DIST_BACKEND", "setting", "backend name", "detected from the launcher",
+             "the backend (strategy) to run; `keras_dist.init(backend=...)` wins over it"),
+    Variable("KERAS_DIST_STEP_TIMEOUT", "setting", "seconds", "120 for the first steps, then 30",
+             "how long a step waits for the other processes before the job stops with a one-line error"),
+    Variable("KERAS_DIST_BUCKET_BYTES", "setting", "bytes", "the backend's",
+             "bytes of gradients per collective; 0: one collective per gradient tensor"),
+    Variable("KERAS_DIST_BACKUP_DIR", "setting", "directory", "none",
+             "back up every fit here and resume from it (what `keras-dist launch --backup-dir` sets)"),
+    Variable("KERAS_DIST_BACKUP_SECONDS", "setting", "seconds", "300",
+             "seconds between automatic backups inside an epoch, besides each epoch's end and a preemption notice"),
+    Variable("KERAS_DIST_SLURM_REQUEUE", "setting", "0 or 1", "1",
+             "0: after a SIGUSR1 in a SLURM job, save and stop without `scontrol requeue`"),
+    Variable("KERAS_DIST_LOG", "setting", "debug or empty", "empty",
+             "debug: every process logs, and `keras-dist launch` keeps the framework start-up lines it drops"),
+    Variable("KERAS_DIST_TPU", "setting", "TPU name or address", "TPU_NAME, else the TPU VM's own",
+             "the TPU the `tpu` backend connects to; `keras_dist.init(tpu=...)` wins over it"),
+    Variable("KERAS_DIST_MIN_SHARD_BYTES", "setting", "bytes", "none (no sharding)",
+             "parameter servers: split variables of at least this many bytes across the ps tasks"),
+    Variable("KERAS_DIST_BIND_ALL", "setting", "0 or 1", "0",
+             "1: local TensorFlow and JAX servers listen on all interfaces instead of loopback"),
+    Variable("KERAS_DIST_COORDINATOR_PORT", "setting", "port", "10000 + SLURM job id % 20000",
+             "under srun: the port of the job's coordinator on its first node"),
+    Variable("KERAS_DIST_CACHE", "setting", "directory", "~/.cache/keras_dist",
+             "where `keras-dist build-horovod` keeps the Horovod wheels it built"),
+    # What keras_dist's launcher tells its tasks.
+    Variable("KERAS_DIST_RESTART", "launcher", "count", "0",
+             "which restart of the job (`keras-dist launch --max-restarts`) this task belongs to"),
+    Variable("KERAS_DIST_LAUNCHER_PID", "launcher", "pid", "none",
+             "the launcher's process; a task ends itself once it is gone"),
+    Variable("KERAS_DIST_BIND_ADDRESS", "launcher", "IP address", "none",
+             "the address the preloaded `_bind_address.so` puts in place of wildcard listens"),
+    # Frameworks' variables keras_dist sets where the user did not, or reads.
+    Variable("KERAS_BACKEND", "framework", "jax, torch or tensorflow", "Keras's (~/.keras/keras.json)",
+             "read to pick the default backend and to check its framework is installed"),
+    Variable("TF_CPP_MIN_LOG_LEVEL", "framework", "0-3", "set to 1",
+             "TensorFlow's C++ log level: keras_dist turns informational lines off"),
+    Variable("TF_NUM_INTRAOP_THREADS", "framework", "count", "set to cores / local processes",
+             "TensorFlow's thread pool, per process of a job on one machine"),
+    Variable("OMP_NUM_THREADS", "framework", "count", "set to cores / local processes",
+             "PyTorch's thread pool, per process of a job on one machine"),
+    Variable("XLA_FLAGS", "framework", "flags", "thread flags added",
+             "JAX on CPUs: each process of a local job gets its share of the cores"),
+    Variable("HOROVOD_GLOO_TIMEOUT_SECONDS", "framework", "seconds", "set from KERAS_DIST_STEP_TIMEOUT",
+             "Horovod's collective timeout, keras_dist's step timeout under Horovod"),
+    Variable("GLOO_SOCKET_IFNAME", "framework", "interface", "set to the interface that reaches the coordinator",
+             "the network interface of Gloo (PyTorch, JAX)"),
+    Variable("HOROVOD_GLOO_IFACE", "framework", "interface", "set as GLOO_SOCKET_IFNAME",
+             "the network interface of Horovod's Gloo"),
+    Variable("NCCL_SOCKET_IFNAME", "framework", "interface", "set as GLOO_SOCKET_IFNAME",
+             "the network interface of NCCL"),
+    Variable("LD_PRELOAD", "framework", "libraries", "adds _bind_address.so in local TensorFlow clusters",
+             "keeps a local cluster's TensorFlow servers on loopback"),
+    Variable("CUDA_VISIBLE_DEVICES", "framework", "GPU list", "unchanged",
+             "read by the mirrored backend to count the GPUs it mirrors over"),
+    Variable("SLURM_JOB_ID", "framework", "id", "none",
+             "read to requeue the job after a SIGUSR1 (`scontrol requeue`)"),
+)
+
+# A variable set to "" is unset, as a shell's `VAR= command` means.
+_UNSET = ("", None)
+
+
+def _number(kind: Callable[[str], Any], minimum: float):
+    def parse(name: str, text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise KerasDistError(f"{name}={text!r} is not a number of at least {minimum}; fix it or unset it")
+        return value
+    return parse
+
+
+def _flag(name: str, text: str) -> bool:
+    if text not in ("0", "1"):
+        raise KerasDistError(f"{name}={text!r} must be 0 or 1; fix it or unset it")
+    return text == "1"
+
+
+def _text(name: str, text: str) -> str:
+    return text
+
+
+def _debug(name: str, text: str) -> bool:
+    return text.lower() == "debug"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """keras_dist's settings as one process reads them (see `VARIABLES` for each one's meaning)."""
+
+    backend: str | None = None
+    step_timeout: float | None = None
+    bucket_bytes: int | None = None
+    backup_dir: str | None = None
+    # Five minutes: a hard failure (a host lost, out of memory: no notice) costs at most that
+    # much training, while a backup of a large model (seconds to write) costs little of it.
+    backup_seconds: float = 300.0
+    slurm_requeue: bool = True
+    debug_log: bool = False
+    tpu: str | None = None
+    min_shard_bytes: int | None = None
+    bind_all: bool = False
+    restart: int = 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> "Settings":
+        """The settings in `environ`; a bad value is a one-line error naming the variable."""
+        values = {}
+        for field, (name, parse) in _READERS.items():
+            text = environ.get(name)
+            if text not in _UNSET:
+                values[field] = parse(name, text)
+        return cls(**values)
+
+
+_READERS = {
+    "backend": ("KERAS_DIST_BACKEND", _text),
+    "step_timeout": ("KERAS_DIST_STEP_TIMEOUT", _number(float, 1e-3)),
+    "bucket_bytes": ("KERAS_DIST_BUCKET_BYTES", _number(int, 0)),
+    "backup_dir": ("KERAS_DIST_BACKUP_DIR", _text),
+    "backup_seconds": ("KERAS_DIST_BACKUP_SECONDS", _number(float, 1e-3)),
+    "slurm_requeue": ("KERAS_DIST_SLURM_REQUEUE", _flag),
+    "debug_log": ("KERAS_DIST_LOG", _debug),
+    "tpu": ("KERAS_DIST_TPU", _text),
+    "min_shard_bytes": ("KERAS_DIST_MIN_SHARD_BYTES", _number(int, 1)),
+    "bind_all": ("KERAS_DIST_BIND_ALL", _flag),
+    "restart": ("KERAS_DIST_RESTART", _number(int, 0)),
+}
+
+
+def markdown_table() -> str:
+    """`VARIABLES` as the Markdown table of docs/settings.md (checked by a test, so the two agree)."""
+    rows = ["| variable | set by | value | default | what it does |", "| --- | --- | --- | --- | --- |"]
+    who = {"setting": "you", "launcher": "keras-dist launch", "framework": "a framework's; keras_dist sets or reads it"}
+    rows += [f"| `{v.name}` | {who[v.role]} | {v.type} | {v.default} | {v.doc} |" for v in VARIABLES]
+    return "\n".join(rows) + "\n"
+
+
+def environ() -> MutableMapping[str, str]:
+    """This process's environment: who-am-I parsing reads it, and framework variables are set
+    in it before the frameworks load (their thread pools, interfaces and timeouts)."""
+    return os.environ
+
+
+@functools.cache
+def current() -> Settings:
+    """This process's settings, read from its environment once."""
+    return Settings.from_environ(os.environ)

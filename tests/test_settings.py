@@ -1,0 +1,54 @@
+"""keras_dist/settings.py: one declaration per variable, docs/settings.md made from it, values
+checked once, and no other module reading the process environment."""
+
+import re
+import subprocess
+
+import pytest
+
+from keras_dist import settings
+from keras_dist.errors import KerasDistError
+from keras_dist.settings import Settings
+
+from runner import ROOT
+
+
+def test_docs_settings_md_is_the_declared_table():
+    doc = (ROOT / "docs" / "settings.md").read_text()
+    assert doc.endswith(settings.markdown_table()), "docs/settings.md differs from settings.VARIABLES: regenerate its table"
+
+
+def test_every_keras_dist_variable_named_in_the_code_and_docs_is_declared():
+    declared = {v.name for v in settings.VARIABLES}
+    files = [*(ROOT / "keras_dist").rglob("*.py"), *(ROOT / "keras_dist").rglob("*.sh"), ROOT / "README.md",
+             *(ROOT / "docs").glob("*.md")]
+    named = {name for path in files for name in re.findall(r"KERAS_DIST_[A-Z_]*[A-Z]", path.read_text())}
+    assert named - declared == set()
+    assert len(declared) == len(settings.VARIABLES)  # one declaration each
+
+
+def test_only_settings_environments_and_the_launchers_read_the_process_environment():
+    readers = subprocess.run(["grep", "-rl", r"os\.environ", "keras_dist"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    assert sorted(p for p in readers if not p.startswith("keras_dist/launchers/")) == [
+        "keras_dist/environments.py", "keras_dist/settings.py"]
+
+
+def test_settings_are_read_from_a_mapping_with_their_defaults():
+    assert Settings.from_environ({}) == Settings()
+    chosen = Settings.from_environ({"KERAS_DIST_STEP_TIMEOUT": "5", "KERAS_DIST_LOG": "DEBUG", "KERAS_DIST_BIND_ALL": "1",
+                                    "KERAS_DIST_SLURM_REQUEUE": "0", "KERAS_DIST_BACKUP_SECONDS": "",
+                                    "KERAS_DIST_RESTART": "2", "KERAS_DIST_BACKEND": "jax"})
+    assert (chosen.step_timeout, chosen.debug_log, chosen.bind_all, chosen.slurm_requeue, chosen.backup_seconds,
+            chosen.restart, chosen.backend) == (5.0, True, True, False, 300.0, 2, "jax")
+
+
+@pytest.mark.parametrize("name, value", [
+    ("KERAS_DIST_STEP_TIMEOUT", "soon"), ("KERAS_DIST_STEP_TIMEOUT", "0"), ("KERAS_DIST_BUCKET_BYTES", "25MB"),
+    ("KERAS_DIST_BACKUP_SECONDS", "-1"), ("KERAS_DIST_SLURM_REQUEUE", "no"), ("KERAS_DIST_BIND_ALL", "true"),
+    ("KERAS_DIST_MIN_SHARD_BYTES", "0"), ("KERAS_DIST_RESTART", "x"),
+])
+def test_a_bad_value_is_a_one_line_error_naming_the_variable(name, value):
+    with pytest.raises(KerasDistError, match=f"^{name}='{value}'") as error:
+        Settings.from_environ({name: value})
+    assert "\n" not in str(error.value)
