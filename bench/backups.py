@@ -7,7 +7,7 @@ Configurations, each one process, alternated (A B C A B C ...), one launch each 
   none          `keras_dist.compile` + fit, no backup
   keras_dist    the same with `keras.callbacks.BackupAndRestore(dir, save_freq=EVERY)`:
                 keras_dist copies the state to host memory at the step and writes it in a
-                thread (keras_dist/callbacks/background_writes.py)
+                thread (keras_dist/fault_tolerance/background_writes.py)
   keras         plain Keras (no keras_dist) with the same `BackupAndRestore`: Keras writes
                 the backup in the training thread, as users had it
 

@@ -26,7 +26,7 @@
 # One fix for speed: Gloo is built with its vectorised float16 sum (GLOO_USE_AVX; Horovod
 # compiles everything with -mavx -mf16c already). Without it Gloo adds half floats one at a
 # time in software: gradient_compression="fp16" then cost more CPU than it saved on the wire
-# (two ranks, 1.9M gradients: 18.7 ms of CPU per all-reduce against 6.5-9.7 ms in float32).
+# (figures: bench/results/2026-11-25-figures-from-comments.md).
 # PATCH_LEVEL names our patches in the cached wheel's path.
 #
 # Env: PYTHON (default: python), HOROVOD_VERSION (default 0.28.1).

@@ -22,8 +22,8 @@ import keras
 
 from keras_dist import inputs, optimizer_hooks, settings
 from keras_dist.logs import flat_logs, metric_results
-from keras_dist.callbacks import background_writes, resume
-from keras_dist.callbacks.preemption import PreemptionNotice
+from keras_dist.fault_tolerance import background_writes, resume
+from keras_dist.fault_tolerance.preemption import PreemptionNotice
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.chief_only import callbacks_for_this_worker
 from keras_dist.callbacks.replica_check import ReplicaCheck

@@ -316,3 +316,15 @@ def test_each_task_selects_its_strategy_and_reads_its_environment_once(tmp_path)
     tasks = [line for line in out.splitlines() if line.startswith("[rank:") and "derivations" in line]
     once = "{'detect': 1, 'interface': 1, 'parse': 1, 'select': 1, 'settings': 1}"
     assert sorted(tasks) == [f"[rank:{rank}] derivations {once}" for rank in (0, 1)], out[-3000:]
+
+
+def test_a_peer_failure_reads_the_same_whichever_engine_noticed_it():
+    from keras_dist.errors import PeerFailure
+
+    failure = PeerFailure(["rank 1 on node1", "rank 3 on node2"], "10 s", "or raise KERAS_DIST_STEP_TIMEOUT",
+                          cause="Connection closed by peer\n  at gloo")
+    assert isinstance(failure, KerasDistError) and failure.stopped == ["rank 1 on node1", "rank 3 on node2"]
+    assert str(failure) == ("rank 1 on node1, rank 3 on node2 stopped answering within 10 s (Connection closed by "
+                            "peer): its machine froze, lost its network or ended; or raise KERAS_DIST_STEP_TIMEOUT")
+    assert str(PeerFailure([], None, "restart the job")) == ("a peer stopped answering: its machine froze, lost its "
+                                                             "network or ended; restart the job")

@@ -129,7 +129,7 @@ def run_the_chain(backend, tmp_path):
                 f"{backend} {case}: rank {r} did not resume at epoch {run}"
         assert seconds < ENDS_WITHIN[fault], f"{backend} {case}: the job took {seconds:.1f}s to end;\n{out[-4000:]}"
         if fault == "freeze":  # a survivor names the frozen process in one line
-            stopped = [line for line in out.splitlines() if "KerasDistError: " in line and "stopped answering" in line]
+            stopped = [line for line in out.splitlines() if "PeerFailure: " in line and "stopped answering" in line]
             assert stopped and f"rank {rank} on " in stopped[0], f"{backend} {case}:\n{out[-4000:]}"
             if backend == "horovod":  # KERAS_DIST_STEP_TIMEOUT became Horovod's Gloo timeout
                 assert "stopped answering within 10 s" in stopped[0], stopped[0]

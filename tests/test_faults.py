@@ -64,7 +64,7 @@ class Crash(Exception):
 def test_a_crash_between_the_backups_renames_resumes_from_a_consistent_state(tmp_path, monkeypatch):
     import keras
 
-    from keras_dist.callbacks import atomic_writes
+    from keras_dist.fault_tolerance import atomic_writes
 
     x = np.linspace(-1, 1, 16, dtype="float32").reshape(16, 1)
 

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from torch.utils import data  # noqa: E402
 
-from keras_dist.callbacks.resume import EpochPosition  # noqa: E402
+from keras_dist.fault_tolerance.resume import EpochPosition  # noqa: E402
 from keras_dist.inputs.data_loader import InterleavedSampler, shard_data_loader, shuffles  # noqa: E402
 
 SIZES = [*range(10), 37]

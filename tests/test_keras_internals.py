@@ -167,10 +167,10 @@ def tiny_model():
 
 
 def test_h5_io_store(tmp_path):
-    from keras_dist.callbacks.background_writes import WeightsSnapshot
+    from keras_dist.fault_tolerance.background_writes import WeightsSnapshot
 
     with canary("keras.src.saving.saving_lib.H5IOStore",
-                "keras_dist.callbacks.background_writes.WeightsSnapshot copies and writes backups through it"):
+                "keras_dist.fault_tolerance.background_writes.WeightsSnapshot copies and writes backups through it"):
         model, other = tiny_model(), tiny_model()
         snapshot = WeightsSnapshot()
         snapshot.take(model)
@@ -182,7 +182,7 @@ def test_h5_io_store(tmp_path):
 
 def test_save_state():
     with canary("keras.src.saving.saving_lib._save_state",
-                "keras_dist.callbacks.background_writes.WeightsSnapshot walks the model's saved state with it"):
+                "keras_dist.fault_tolerance.background_writes.WeightsSnapshot walks the model's saved state with it"):
         seen = {}
 
         class Recorder(keras_internals.h5_io_store()):

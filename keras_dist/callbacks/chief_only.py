@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import keras
 
-from keras_dist.callbacks.atomic_writes import make_writes_atomic
+from keras_dist.fault_tolerance.atomic_writes import make_writes_atomic
 
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy

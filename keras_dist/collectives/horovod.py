@@ -58,6 +58,20 @@ class HorovodTensorFlow(_Horovod, Collectives):
                                              name=self._name("sum_arrays"))
         return [s.numpy() for s in summed]
 
+    # --- inside the train step (traced into its graph) --------------------------
+    def reduce_in_step(self, tensors: list, mean: bool = False, compression: str | None = None) -> list:
+        """One grouped all-reduce of `tensors` (sum, or mean over processes), optionally sent
+        as float16; Horovod names graph operations itself, the same on every process."""
+        hvd = self._hvd
+        wire = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
+        return hvd.grouped_allreduce(list(tensors), op=hvd.Average if mean else hvd.Sum, compression=wire)
+
+    def all_in_step(self, flag: Any) -> Any:
+        """Whether `flag` (a boolean tensor) holds on every process."""
+        import tensorflow as tf
+
+        return self._hvd.allreduce(tf.cast(flag, tf.int32), op=self._hvd.Min) > 0
+
     def _allgather_array(self, array: np.ndarray) -> np.ndarray:
         return self._hvd.allgather(array, name=self._name("allgather")).numpy()
 

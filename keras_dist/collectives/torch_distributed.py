@@ -13,7 +13,7 @@ import numpy as np
 from keras_dist import timeouts
 from keras_dist.collectives import PEERS_SECONDS, Collectives, flatten, unflatten
 from keras_dist.environments import ClusterEnvironment
-from keras_dist.errors import KerasDistError
+from keras_dist.errors import KerasDistError, PeerFailure, first_line
 
 
 class TorchTensors(Collectives):
@@ -88,7 +88,7 @@ class TorchDistributed(TorchTensors):
             except RuntimeError as exc:  # DistBackendError and DistStoreError too
                 raise KerasDistError(
                     f"rank {environment.rank} did not connect to the job at {coordinator} within {self.timeout:g} s, "
-                    f"advertising {job_address or socket.gethostname()} to its peers ({_first_line(exc)}); set "
+                    f"advertising {job_address or socket.gethostname()} to its peers ({first_line(exc)}); set "
                     "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the interface the other machines reach, "
                     f"or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart") from None
             self._coordinator = coordinator
@@ -120,11 +120,11 @@ class TorchDistributed(TorchTensors):
         except RuntimeError as exc:  # a peer timed out or closed its connection
             if self._store is None:
                 raise
-            raise KerasDistError(self._who_stopped(exc)) from None
+            raise self._who_stopped(exc) from None
         return tensor
 
-    def _who_stopped(self, error: Exception) -> str:
-        """A one-line account of a failed collective that names the processes that stopped.
+    def _who_stopped(self, error: Exception) -> PeerFailure:
+        """A failed collective's account, naming the processes that stopped.
 
         Each process that sees its collective fail notes so in the job's store; the ranks
         that have not after `PEERS_SECONDS` stopped (a frozen or lost machine). The store
@@ -136,12 +136,11 @@ class TorchDistributed(TorchTensors):
             store.set(f"keras_dist/failed/{self.rank}", "1")
             time.sleep(PEERS_SECONDS)
             silent = [r for r in range(self.size) if not store.check([f"keras_dist/failed/{r}"])]
-            stopped = ", ".join(f"rank {r} on {store.get(f'keras_dist/host/{r}').decode()}" for r in silent)
+            stopped = [f"rank {r} on {store.get(f'keras_dist/host/{r}').decode()}" for r in silent]
         except RuntimeError:
-            stopped = f"the job's coordinator at {self._coordinator}"
-        return (f"{stopped or 'a peer'} stopped answering within {self.timeout:g} s ({_first_line(error)}): its "
-                f"machine froze, lost its network or ended; or raise {timeouts.STEP_TIMEOUT_VAR} if a step "
-                "or the chief's own work between steps takes that long")
+            stopped = [f"the job's coordinator at {self._coordinator}"]
+        return PeerFailure(stopped, f"{self.timeout:g} s", f"or raise {timeouts.STEP_TIMEOUT_VAR} if a step or the "
+                           "chief's own work between steps takes that long", cause=first_line(error))
 
     def min(self, tensor: Any) -> Any:
         self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN)
@@ -162,10 +161,6 @@ class TorchDistributed(TorchTensors):
 
     def _barrier(self) -> None:
         self._dist.barrier()
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _destroy_process_group(dist: Any) -> None:

@@ -29,7 +29,7 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_dist.callbacks.resume import EpochPosition
+from keras_dist.fault_tolerance.resume import EpochPosition
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs import arrays
 from keras_dist.inputs.generators import GeneratorShare, reassemble
@@ -96,7 +96,7 @@ def fit(strategy: "Strategy", data: Inputs, validation_data: Any = None, validat
         position: "EpochPosition | None" = None, shuffle: bool | str = False) -> tuple[Inputs, Inputs | None]:
     """This process's training input (padded to equal steps) and validation input (None: none).
 
-    With `position` (a fit that resumes inside an epoch, `keras_dist.callbacks.resume`),
+    With `position` (a fit that resumes inside an epoch, `keras_dist.fault_tolerance.resume`),
     inputs whose order keras_dist can draw (arrays that `shuffle`, a PyDataset of known
     length, a DataLoader it splits) are ordered by it and start the epoch resumed at its
     next step themselves (`Inputs.ordered`, `EpochPosition.sources_skip`).

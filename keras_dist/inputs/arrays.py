@@ -20,7 +20,7 @@ from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
-    from keras_dist.callbacks.resume import EpochPosition
+    from keras_dist.fault_tolerance.resume import EpochPosition
     from keras_dist.strategies.base import Strategy
 
 

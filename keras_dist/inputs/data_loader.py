@@ -17,7 +17,7 @@ from torch.utils import data
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
-    from keras_dist.callbacks.resume import EpochPosition
+    from keras_dist.fault_tolerance.resume import EpochPosition
 
 
 class InterleavedSampler(data.Sampler):

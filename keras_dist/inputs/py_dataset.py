@@ -9,7 +9,7 @@ from keras import tree
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
-    from keras_dist.callbacks.resume import EpochPosition
+    from keras_dist.fault_tolerance.resume import EpochPosition
 
 
 class ShardedPyDataset(keras.utils.PyDataset):

@@ -5,7 +5,7 @@ prefixes every output line with its task's name, and stops everything when one t
 fails, or the launcher gets Ctrl-C. The exit code is the first failing task's, 128 + the
 signal for a task killed by one (as a shell reports it). A SIGTERM or SIGUSR1 to the
 launcher (a preemption notice) is passed on to every task, which saves and exits
-(`keras_dist.callbacks.preemption`); tasks still running after the grace period, or at a
+(`keras_dist.fault_tolerance.preemption`); tasks still running after the grace period, or at a
 second signal, are killed.
 
 Tasks never outlive the launcher, even a SIGKILLed one: each direct child gets a
@@ -33,10 +33,10 @@ LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
 # How many times `keras-dist launch --max-restarts` has restarted the job, in every task.
 RESTART = "KERAS_DIST_RESTART"
 # Where `keras-dist launch --backup-dir` backs up every fit of an unchanged script
-# (`keras_dist.callbacks.resume.automatic_backup`).
+# (`keras_dist.fault_tolerance.resume.automatic_backup`).
 BACKUP_DIR = "KERAS_DIST_BACKUP_DIR"
 # The signals of a preemption notice (SLURM's `--signal` often uses SIGUSR1): the launcher
-# passes them on, and `keras_dist.callbacks.preemption` saves and stops at them.
+# passes them on, and `keras_dist.fault_tolerance.preemption` saves and stops at them.
 NOTICE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 

@@ -17,7 +17,7 @@ from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 from keras_dist.environments import ClusterEnvironment, MPIEnvironment, threads_per_process
-from keras_dist.errors import KerasDistError
+from keras_dist.errors import KerasDistError, PeerFailure
 
 if TYPE_CHECKING:
     import keras
@@ -115,23 +115,23 @@ class HorovodStrategy(Strategy):
             # its own shutdown, on every process alike.
             if "Horovod has been shut down" not in str(exc) or not self._names_stopped_peers:
                 raise
-            raise KerasDistError(self._who_stopped()) from None
+            raise self._who_stopped() from None
 
-    def _who_stopped(self) -> str:
-        """One line naming the ranks that stopped: each process that sees its collective
-        fail notes so in horovodrun's store; those that have not after `PEERS_SECONDS` stopped."""
+    def _who_stopped(self) -> PeerFailure:
+        """The ranks that stopped: each process that sees its collective fail notes so in
+        horovodrun's store; those that have not after `PEERS_SECONDS` stopped."""
         environment = self.environment
         try:
             environment.put(f"failed.{self.rank}", "1", timeout=PEERS_SECONDS)
             time.sleep(PEERS_SECONDS)
             silent = [r for r in range(self.size) if environment.get(f"failed.{r}", timeout=PEERS_SECONDS) is None]
             hosts = [environment.get(f"host.{r}", timeout=PEERS_SECONDS) or "an unknown host" for r in silent]
-            stopped = ", ".join(f"rank {r} on {host}" for r, host in zip(silent, hosts))
+            stopped = [f"rank {r} on {host}" for r, host in zip(silent, hosts)]
         except OSError:  # the store is horovodrun's, on the launching machine
-            stopped = f"horovodrun's machine ({environment.store})"
+            stopped = [f"horovodrun's machine ({environment.store})"]
         timeout = settings.environ().get(GLOO_TIMEOUT, "30")
-        return (f"{stopped or 'a peer'} stopped answering within {timeout} s ({timeouts.STEP_TIMEOUT_VAR}, or "
-                "horovodrun --gloo-timeout-seconds): its machine froze, lost its network or ended")
+        return PeerFailure(stopped, f"{timeout} s", f"or raise {timeouts.STEP_TIMEOUT_VAR} (or horovodrun "
+                           "--gloo-timeout-seconds) if a step can take that long")
 
     def _pin_gpu(self):
         import tensorflow as tf
@@ -155,11 +155,9 @@ class HorovodStrategy(Strategy):
     def distribute_optimizer(self, optimizer: "keras.optimizers.Optimizer", options: GradientOptions) -> None:
         from keras_dist import optimizer_hooks
 
-        hvd = self._hvd
-        op = hvd.Average if options.reduction == "mean" else hvd.Sum
+        collectives = self.collectives
         if options.compression == "bf16":
             raise KerasDistError(NO_BFLOAT16)
-        compression = hvd.Compression.fp16 if options.compression == "fp16" else hvd.Compression.none
 
         def allreduce_gradients(grads):
             import tensorflow as tf
@@ -169,21 +167,17 @@ class HorovodStrategy(Strategy):
             # each depending on its own gradients only: TensorFlow's executor starts it as
             # soon as they exist, while the rest of the backward pass runs. By default
             # every gradient is a bucket, and Horovod's fusion buffer sends together those
-            # ready in the same cycle (bench/hosts.py, 200 Mbit/s: 1106 samples/s against
-            # 1058 with 1 MiB buckets and 749 with one collective after the backward pass).
+            # ready in the same cycle (faster than fixed buckets or one collective after the
+            # backward pass on a slow link: bench/results/2026-11-24-cpu-2core.md, session 13).
             runs = buckets([(g.shape.num_elements() or 0) * g.dtype.size for g in dense], [g.dtype for g in dense],
                            bucket_bytes(default=0))
             reduced = []
             for run in runs:
-                reduced += hvd.grouped_allreduce([dense[i] for i in run], op=op, compression=compression)
+                reduced += collectives.reduce_in_step([dense[i] for i in run], mean=options.reduction == "mean",
+                                                      compression=options.compression)
             return reduced[::-1]
 
-        def all_finite(is_finite):
-            import tensorflow as tf
-
-            return hvd.allreduce(tf.cast(is_finite, tf.int32), op=hvd.Min) > 0
-
-        optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
+        optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, collectives.all_in_step)
 
     def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list[Any]:
-        return self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum)
+        return self.collectives.reduce_in_step(list(tensors))

@@ -31,7 +31,7 @@ from keras_dist import network, runtime, settings, timeouts
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
-from keras_dist.errors import KerasDistError
+from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.overrides import override
 
 logger = logging.getLogger("keras_dist")
@@ -81,8 +81,8 @@ def _start_process_group(environment):
         watchdog.start()
         later = timeouts.later_steps()
         try:
-            # JAX's heartbeats end the job too, after keras_dist's own `_PeerWatch`: at twice its
-            # timeout (seen: JAX's abort first, 10.9 s after a freeze, at `later` + 10 s).
+            # JAX's heartbeats end the job too, after keras_dist's own `_PeerWatch` (at twice its
+            # timeout plus a margin: at equal timeouts JAX's abort, a C++ stack trace, came first).
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
                                        process_id=environment.rank, initialization_timeout=int(start) + 5,
                                        heartbeat_timeout_seconds=2 * int(later) + _PeerWatch.MARGIN,
@@ -164,11 +164,10 @@ class _PeerWatch:
             if now - self._answered > self._timeout:
                 silent = [0]
             if silent and not self._done.is_set():
-                stopped = ", ".join(f"rank {r} on {self._hosts[r]}" + (" (JAX's coordinator)" if r == 0 else "")
-                                    for r in silent)
-                _give_up(f"KerasDistError: {stopped} stopped answering within {self._timeout:g} s: its machine "
-                         f"froze, lost its network or ended; or raise {timeouts.STEP_TIMEOUT_VAR} if it can be that "
-                         "busy")
+                stopped = [f"rank {r} on {self._hosts[r]}" + (" (JAX's coordinator)" if r == 0 else "") for r in silent]
+                failure = PeerFailure(stopped, f"{self._timeout:g} s",
+                                      f"or raise {timeouts.STEP_TIMEOUT_VAR} if it can be that busy")
+                _give_up(f"PeerFailure: {failure}")
 
 
 def _give_up(message: str) -> None:

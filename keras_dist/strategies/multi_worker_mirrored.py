@@ -22,7 +22,7 @@ from keras_dist.strategies.base import InputPlan, bucket_bytes
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.callbacks.scratch import ScratchCallback
 from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, threads_per_process
-from keras_dist.errors import KerasDistError
+from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.overrides import override, set_while
 from keras_dist.tf_cluster import detected_cluster, prepare_server_process
 
@@ -105,8 +105,8 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
             # TensorFlow's teardown would wait for the lost task, 10 s at a time ("restart
             # your program to reset", its error says): the process ends without it.
             atexit.register(_end_now)
-            raise KerasDistError(f"{stopped} stopped answering within TensorFlow's heartbeat timeout: its machine "
-                                 "froze, lost its network or ended") from None
+            raise PeerFailure([stopped], "TensorFlow's heartbeat timeout", "restart the job (BackupAndRestore "
+                              "resumes where the last backup left off)") from None
 
     @property
     def input_plan(self) -> InputPlan:

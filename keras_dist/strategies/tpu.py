@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from keras_dist import keras_workarounds, settings
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.environments import ClusterEnvironment
-from keras_dist.errors import KerasDistError
+from keras_dist.errors import KerasDistError, first_line
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -77,9 +77,8 @@ class TPUStrategy(TFDistributeStrategy):
             tf.config.experimental_connect_to_cluster(resolver)
             tf.tpu.experimental.initialize_tpu_system(resolver)
         except Exception as exc:  # resolver and runtime raise many types; say which TPU
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise KerasDistError(
-                f"backend 'tpu' could not reach TPU {address!r} ({first_line}); check TPU_NAME "
+                f"backend 'tpu' could not reach TPU {address!r} ({first_line(exc)}); check TPU_NAME "
                 "and that this machine may use that TPU"
             ) from None
         return tf.distribute.TPUStrategy(resolver)

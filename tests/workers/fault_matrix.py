@@ -22,7 +22,7 @@ import numpy as np
 import keras
 
 import keras_dist
-from keras_dist.callbacks import background_writes
+from keras_dist.fault_tolerance import background_writes
 
 out_dir, epochs = sys.argv[1], int(sys.argv[2])
 fault, moment, fault_rank, fault_epoch = (sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])) \

@@ -31,7 +31,7 @@ import keras
 import numpy as np
 
 import keras_dist
-from keras_dist.callbacks import background_writes
+from keras_dist.fault_tolerance import background_writes
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -141,7 +141,7 @@ model = keras.Sequential([keras.Input((6,)), *([RecordSamples()] if args.record_
 keras_dist.compile(model, optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy", metrics=["accuracy"])
 backup = keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup"), save_freq=args.save_freq)
 if args.during_save and first_attempt and ctx.is_chief:
-    from keras_dist.callbacks import atomic_writes
+    from keras_dist.fault_tolerance import atomic_writes
 
     publish = atomic_writes.publish
 

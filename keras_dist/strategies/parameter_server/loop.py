@@ -16,7 +16,7 @@ from keras_dist import keras_internals, keras_workarounds, network, timeouts
 from keras_dist.inputs import tf_data
 from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
-from keras_dist.errors import KerasDistError
+from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.logs import flat_logs, metric_results
 
 
@@ -158,26 +158,25 @@ class CoordinatedSteps:
                     raise
             except TimeoutError:
                 self.stalled.set()
-                raise KerasDistError(
-                    f"a step did not finish within {timeout:g} s: {self._stopped(remote)} is frozen or stalled, and "
-                    "TensorFlow cannot go on without it; restart it and rerun (BackupAndRestore resumes after the "
-                    f"last epoch), or raise {timeouts.STEP_TIMEOUT_VAR} if steps are that slow") from None
+                raise PeerFailure(self._stopped(remote), f"{timeout:g} s", "TensorFlow cannot go on without it: "
+                                  "restart the job (BackupAndRestore resumes after the last epoch), or raise "
+                                  f"{timeouts.STEP_TIMEOUT_VAR} if steps are that slow", cause="a step did not finish") from None
             remote = self.coordinator.schedule(function, args=args)
 
     def _stopped(self, remote):
         """Names the workers that no longer answer, else the one running `remote`'s step.
 
         The step waited on is not always the frozen worker's: others' steps can wait
-        behind it (seen: worker 0's step unfinished 5 s after worker 1 froze).
+        behind it (a frozen worker 1 leaves worker 0's step unfinished too).
         """
         with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
             serving = list(pool.map(network.serves, self.workers))
         frozen = [f"/job:worker/task:{i} ({address})" for i, (address, up) in enumerate(zip(self.workers, serving))
                   if not up]
         if frozen:
-            return ", ".join(frozen)
+            return frozen
         worker = _worker_running(remote)
-        return "a worker" if worker is None else f"/job:worker/task:{worker} ({self.workers[worker]})"
+        return [] if worker is None else [f"/job:worker/task:{worker} ({self.workers[worker]})"]
 
     def _run(self, function, inputs, callbacks, hooks):
         """Runs `function` on each input as closures, a bounded number in flight; returns their values.

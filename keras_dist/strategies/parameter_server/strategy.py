@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_dist import keras_workarounds, network, optimizer_hooks, settings, timeouts
 from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment
-from keras_dist.errors import KerasDistError
+from keras_dist.errors import KerasDistError, PeerFailure, first_line
 from keras_dist.strategies.base import GradientOptions, Strategy
 from keras_dist.strategies.parameter_server.loop import CoordinatedSteps
 from keras_dist.strategies.parameter_server.server import SERVING_TASKS, announce_end, ps_cluster, serve
@@ -169,8 +169,11 @@ class ParameterServerStrategy(Strategy):
             # times the end of a worker's input (seen: OutOfRange after a ps was killed).
             lost = [f"/job:ps/task:{i} ({address})" for i, address in enumerate(self.cluster["ps"])
                     if not network.answers(address)]
-            if lost or isinstance(exc, (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)):
-                raise KerasDistError(_lost_task_message(exc, lost)) from None
+            if lost:
+                raise PeerFailure(lost, None, _RESTART, cause=first_line(exc)) from None
+            if isinstance(exc, (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)):
+                raise KerasDistError(f"a parameter server or the cluster became unreachable ({first_line(exc)}); "
+                                     f"{_RESTART}") from None
             raise
 
 
@@ -181,10 +184,5 @@ def _partitioner_from_settings(num_ps, chosen=None):
     return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=min_shard_bytes, max_shards=num_ps)
 
 
-def _lost_task_message(exc, lost):
-    if lost:
-        what = f"{', '.join(lost)} stopped answering"
-    else:
-        what = "a parameter server or the cluster became unreachable"
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    return (f"{what} ({first}); restart the job: the chief resumes from its last BackupAndRestore checkpoint")
+_RESTART = "restart the job: the chief resumes from its last BackupAndRestore checkpoint"
+

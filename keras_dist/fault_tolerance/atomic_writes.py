@@ -6,7 +6,7 @@ and `BackupAndRestore` goes to a temporary name in the same directory, is flushe
 disk, and is then renamed over the real name, which a rename replaces whole or not at
 all. Only the callback instance is changed (its `_save_model` and `on_train_begin`, and
 a `BackupAndRestore`'s `on_train_end`). A backup's weights are written in the background
-(`keras_dist.callbacks.background_writes`).
+(`keras_dist.fault_tolerance.background_writes`).
 """
 
 import json
@@ -16,8 +16,8 @@ import shutil
 
 import keras
 
-from keras_dist.callbacks.background_writes import BackgroundWrite, WeightsSnapshot
-from keras_dist.callbacks.resume import METADATA_KEY
+from keras_dist.fault_tolerance.background_writes import BackgroundWrite, WeightsSnapshot
+from keras_dist.fault_tolerance.resume import METADATA_KEY
 from keras_dist.overrides import methods_while, override
 
 logger = logging.getLogger("keras_dist")

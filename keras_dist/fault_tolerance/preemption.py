@@ -6,7 +6,7 @@ Kubernetes). The signal may reach one task (the kubelet signals each pod; SLURM 
 step) or the launcher, which passes it on to every task. A task that gets it only notes
 it: the tasks then agree, at the next check, on the step to stop after, so no collective
 is left half-done. There the chief writes a backup (where `fit` has one:
-`keras_dist.callbacks.resume`) and every task exits with `PREEMPTED_EXIT_CODE`. A second
+`keras_dist.fault_tolerance.resume`) and every task exits with `PREEMPTED_EXIT_CODE`. A second
 signal ends the task at once, as without keras_dist.
 
 In a SLURM batch job, SIGUSR1 is the notice a script asks for ahead of its time limit
@@ -33,7 +33,7 @@ import keras
 import numpy as np
 
 from keras_dist import settings
-from keras_dist.callbacks import background_writes
+from keras_dist.fault_tolerance import background_writes
 from keras_dist.launchers.processes import NOTICE_SIGNALS
 
 if TYPE_CHECKING:

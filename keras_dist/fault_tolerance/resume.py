@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
-from keras_dist.callbacks.preemption import PreemptionNotice
+from keras_dist.fault_tolerance.preemption import PreemptionNotice
 from keras_dist import settings
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import methods_while, override
@@ -140,7 +140,7 @@ class ResumePoint(keras.callbacks.Callback):
     schedule (`save_freq`): at each save step every process sums its metric states with
     the others (a collective), and the chief's backup writes them with the position into
     Keras's metadata file, in the same atomic commit
-    (`keras_dist.callbacks.atomic_writes`). On restart the chief reads its backup, every
+    (`keras_dist.fault_tolerance.atomic_writes`). On restart the chief reads its backup, every
     process learns the position, and the epoch starts at the next step.
 
     Args:

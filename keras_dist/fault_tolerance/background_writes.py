@@ -4,7 +4,7 @@ Writing a `.weights.h5` costs the chief the time to encode and write every varia
 backup every few steps would hold every process at the next collective while it does.
 Here the save's step only copies the variables' values to host memory (`WeightsSnapshot`:
 Keras's own saving walk, into memory), and a thread writes them in Keras's format and
-commits them atomically (`keras_dist.callbacks.atomic_writes`), as Orbax's asynchronous
+commits them atomically (`keras_dist.fault_tolerance.atomic_writes`), as Orbax's asynchronous
 checkpointer does. One write per backup at a time: a new backup waits for the previous
 one, and the end of `fit` or a stop at the preemption notice waits for the last.
 """
