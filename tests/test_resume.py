@@ -185,9 +185,11 @@ def test_a_slurm_job_signalled_ahead_of_its_time_limit_requeues_itself_and_resum
     deadline = time.monotonic() + 240
     released = False
     while not (out / "result.npz").exists():
-        if not released and "JobState=PENDING" in bed.run(host, ["scontrol", "show", "job", job]).stdout:
+        if (not released and "JobState=PENDING" in bed.run(host, ["scontrol", "show", "job", job]).stdout
+                and bed.run(host, ["sinfo", "-h", "-n", host.name, "-o", "%T"]).stdout.strip() == "idle"):
             # SLURM holds a requeued job for two minutes before it is eligible again; the
-            # test does not wait for that.
+            # test does not wait for that, only for the node to have ended the first run
+            # (released while it still tore that run down, the second failed to launch).
             released = bed.run(host, ["scontrol", "update", f"JobId={job}", "StartTime=now"]).returncode == 0
         if time.monotonic() > deadline:
             log = (host.tmp / f"slurm-{job}.out").read_text(errors="replace")
