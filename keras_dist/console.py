@@ -49,8 +49,8 @@ def quiet_tensorflow_start(environ: MutableMapping[str, str], chosen: settings.S
         environ.setdefault(TF_LOG_LEVEL, "1")
 
 
-def is_tensorflow_start_up_line(line: str) -> bool:
-    """Whether `line` of a task's output is one of TensorFlow's start-up lines that no level silences."""
+def is_start_up_line(line: str) -> bool:
+    """Whether `line` of a task's output is a framework start-up line that no setting silences."""
     return _START_UP_LINES.search(line) is not None
 
 

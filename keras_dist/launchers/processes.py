@@ -57,7 +57,7 @@ def free_ports(count: int, address: str = "127.0.0.1") -> list:
 def _pump(stream, prefix, out, drop_start_up_lines):
     for line in iter(stream.readline, b""):
         text = line.decode(errors="replace")
-        if drop_start_up_lines and console.is_tensorflow_start_up_line(text):
+        if drop_start_up_lines and console.is_start_up_line(text):
             continue
         out.write(prefix + text)
         out.flush()
