@@ -47,6 +47,19 @@ def trainer_mixin() -> type:
     return getattr(trainer, "Trainer", None) or trainer.BaseTrainer
 
 
+def base_metrics_result(model: Any) -> dict:
+    """The metric results of `model`'s own states, by Keras's trainer mixin: 3.16's torch trainer overrides `get_metrics_result` to all-reduce them in every step (keras#23316), which keras_workarounds_torch turns off; no public name."""
+    return trainer_mixin().get_metrics_result(model)
+
+
+def torch_ddp_initializer() -> str | None:
+    """The name of the torch trainer's method that wraps a model in DistributedDataParallel whenever torch.distributed is up (Keras 3.16, keras#23316; None before), which keras_workarounds_torch turns off per model; private."""
+    from keras.src.backend.torch import trainer
+
+    torch_trainer = getattr(trainer, "Trainer", None) or trainer.TorchTrainer
+    return "_initialize_ddp" if hasattr(torch_trainer, "_initialize_ddp") else None
+
+
 def base_optimizer() -> type:
     """Keras's `BaseOptimizer`, whose `add_variable_from_reference` creates a sharded variable's slots without the TF optimizer's colocation; `keras.optimizers.Optimizer` is the backend's subclass."""
     from keras.src.optimizers.base_optimizer import BaseOptimizer

@@ -25,7 +25,7 @@ from keras_dist.logs import flat_logs, metric_results
 from keras_dist.fault_tolerance import background_writes, resume
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
-from keras_dist.callbacks.chief_only import callbacks_for_this_worker
+from keras_dist.callbacks.file_callbacks import callbacks_for_this_worker, watched
 from keras_dist.callbacks.replica_check import ReplicaCheck
 from keras_dist.callbacks.sync_state import SyncInitialState, sync_model_state
 from keras_dist.overrides import override, set_while
@@ -95,7 +95,11 @@ class DistributedTraining:
             logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
                            "so training starts over; run with keras-dist launch --backup-dir DIR (or add one) to "
                            "resume where the job failed", restart)
-        position = resume.EpochPosition(seed=inputs.job_seed(self.strategy)) if backup and keras_loop else None
+        # keras_dist draws the epochs' orders wherever a backup may resume inside an epoch, and
+        # wherever several processes read: each epoch's shards are then parts of one global
+        # permutation, not fixed strides of the data (issue 47).
+        orders = keras_loop and (backup is not None or self.strategy.input_plan.num_shards > 1)
+        position = resume.EpochPosition(seed=inputs.job_seed(self.strategy)) if orders else None
         # One process without a backup keeps the signals' own effect, as without keras_dist.
         notice = None
         if keras_loop and (position is not None or self.strategy.size > 1):
@@ -111,24 +115,30 @@ class DistributedTraining:
             arguments.update(validation_data=validation.as_validation_data(), validation_split=0.0)
             if arguments["validation_batch_size"] is not None:
                 arguments["validation_batch_size"] = validation.batch_size
-        if position is not None:
+        if position is not None and backup is not None:
             runs_backup = resume.backup_of(arguments["callbacks"])
             point = resume.ResumePoint(self.strategy, runs_backup or backup, position, script_callbacks,
                                        runs_backup is not None, notice)
             arguments["callbacks"] = [point, *arguments["callbacks"], point.last]
+        elif position is not None:
+            arguments["callbacks"] = [resume.FollowEpochs(position), *arguments["callbacks"]]
         if notice is not None:
             arguments["callbacks"] = [notice, *arguments["callbacks"], notice.last]
         if self.strategy.size > 1:
             # First at each epoch end, before user callbacks save; last at the start, after they restore.
             arguments["callbacks"] = [ReplicaCheck(self.strategy), *arguments["callbacks"], SyncInitialState(self.strategy)]
-        resumes = resume.resume_inside_epoch(self.model, position) if position else contextlib.nullcontext()
-        with self._flag("in_fit"), resumes:
+        resumes = resume.resume_inside_epoch(self.model, position) if backup is not None and position else contextlib.nullcontext()
+        with self._flag("in_fit"), resumes, watched(self.strategy):
             try:
                 history = self.strategy.run_loop("fit", self.model, self.keras_fit, arguments)
             finally:
                 # Where fit raised, Keras skips `on_train_end`: the backup written in the
                 # background is complete before the script, or a rerun in this process, reads it.
                 background_writes.wait_for_all()
+        if self.strategy.size > 1:
+            # The chief's checkpoints are committed before any process goes on: a script that
+            # loads the best one right after fit reads the same file everywhere (issue 46).
+            self.strategy.barrier()
         self.synced = True
         return history
 

@@ -54,7 +54,8 @@ def mapped(workers, case):
     return [w[case]["mapped"] for w in workers]
 
 
-@pytest.mark.parametrize("case", ["elements", "seeded_shuffle", "unseeded_shuffle", "rank_seeded_shuffle"])
+@pytest.mark.parametrize("case", ["elements", "seeded_shuffle", "unseeded_shuffle", "unseeded_shuffle_after_map",
+                                  "rank_seeded_shuffle"])
 def test_each_worker_preprocesses_only_its_interleaved_share(workers, case):
     rank0, rank1 = mapped(workers, case)
     # 250 elements: 125 each, nothing left over, nothing preprocessed twice.
@@ -62,6 +63,8 @@ def test_each_worker_preprocesses_only_its_interleaved_share(workers, case):
     assert sorted(rank0 + rank1) == list(range(250))
     if case == "elements":
         assert sorted(rank0) == list(range(0, 250, 2)) and sorted(rank1) == list(range(1, 250, 2))
+    else:  # shuffled: shares of one global permutation, not a fixed stride (issue 47)
+        assert 40 < sum(i % 2 for i in rank0) < 85, rank0
 
 
 def test_seeded_shuffle_keeps_one_process_order_split_interleaved(workers):
@@ -137,6 +140,66 @@ def test_unbatched_datasets_are_a_one_line_error():
     for dataset in (tf.data.Dataset.range(4), tf.data.Dataset.from_tensor_slices(np.zeros((4, 8, 8, 3)))):
         with pytest.raises(KerasDistError, match=r"call \.batch\(batch_size\)"):
             tf_data.shard_dataset(dataset, 2, 0, pad=True)
+
+
+class _AgreedSeeds:
+    """The `allgather` of shards made one after another in one process: every call after the
+    first gets the first call's proposal, as every process gets the chief's."""
+
+    def __init__(self, num_shards):
+        self.num_shards, self.first = num_shards, None
+
+    def __call__(self, proposal):
+        self.first = proposal if self.first is None else self.first
+        return [self.first] * self.num_shards
+
+
+def _epochs(shards, count):
+    """`count` epochs of each shard of one call: [epoch][shard] -> the ids it served, in order."""
+    return [[[int(i) for batch in shard for i in np.ravel(batch)] for shard in shards] for _ in range(count)]
+
+
+def assert_global_permutations(epochs, length):
+    """Each epoch's shards are parts of one permutation, none a fixed stride, none the same twice."""
+    for epoch in epochs:
+        assert sorted(sum(epoch, [])) == list(range(length))
+        assert 0.25 < np.mean([i % 2 for i in epoch[0]]) < 0.75, epoch[0]
+    assert epochs[0][0] != epochs[1][0]
+
+
+def test_an_unseeded_shuffle_splits_one_global_permutation_and_moves_ahead_of_maps():
+    dataset = tf.data.Dataset.range(64).map(lambda i: i * 1).shuffle(64).batch(4)
+    agreed = _AgreedSeeds(2)
+    split = [tf_data.shard_dataset(dataset, 2, r, pad=True, allgather=agreed)[0] for r in range(2)]
+    # The shuffle now reads the source: the map runs after the split, on the shard only.
+    chain = [n.op for n in tf_data.dataset_graph(split[0]).node if n.op.endswith("Dataset")]
+    assert chain.index("ShuffleDataset") < chain.index("ShardDataset") < chain.index("MapDataset")
+    assert_global_permutations(_epochs([s.as_numpy_iterator() for s in split], 1)
+                               + _epochs([s.as_numpy_iterator() for s in split], 1), 64)
+
+
+def test_a_shuffle_behind_a_cache_stays_and_shuffles_each_shard():
+    dataset = tf.data.Dataset.range(16).map(lambda i: i * 1).cache().shuffle(16).batch(4)
+    served = _epochs([s.as_numpy_iterator() for s in
+                      (tf_data.shard_dataset(dataset, 2, r, pad=True)[0] for r in range(2))], 1)[0]
+    assert sorted(served[0]) == list(range(0, 16, 2))  # documented in docs/semantics.md
+
+
+def test_shuffled_arrays_and_py_datasets_split_one_global_permutation_per_epoch():
+    from keras_dist.fault_tolerance.resume import EpochPosition
+    from keras_dist.inputs.arrays import EpochRows
+
+    position = EpochPosition(seed=11)
+    ids = np.arange(64)
+    rows = [EpochRows({"x": ids, "y": ids, "sample_weight": None}, 2, r, 4, position) for r in range(2)]
+    pages = [py_dataset.ShardedPyDataset(_Numbered(64), 2, r, pad=True, position=position, shuffle=True)
+             for r in range(2)]
+    for shards in (rows, pages):
+        epochs = []
+        for epoch in range(2):
+            position.epoch = epoch
+            epochs.append([[int(i) for step in range(s.num_batches) for i in s[step][1]] for s in shards])
+        assert_global_permutations(epochs, 64)
 
 
 class _Numbered(__import__("keras").utils.PyDataset):

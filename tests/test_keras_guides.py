@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from runner import BIN, WORKERS, configuration_command, load_results, run, run_many
-from test_published_patterns import assert_close
+from test_published_patterns import assert_close, assert_learns_like_one_process, assert_reloads_the_best_and_callback_files
 
 pytestmark = pytest.mark.timeout(900)
 SCRIPT = WORKERS / "keras_guides.py"
@@ -21,7 +21,9 @@ UNSEEDED = ["unseeded_transfer_learning", "unseeded_dataloader_shuffled"]
 SEEDED = ["seeded_custom_train_step", "seeded_metric_objects", "seeded_second_model", "seeded_evaluate_unfitted",
           "seeded_dataloader", "seeded_structured_inputs", "seeded_generator",
           "seeded_fewer_samples_than_processes"]
-PATTERNS = [*UNSEEDED, "unseeded_iterable_dataset", *SEEDED]
+# Last: it seeds. Shuffled, so another order than one process's, but as much learned.
+PATTERNS = [*UNSEEDED, "unseeded_iterable_dataset", *SEEDED, "alternating_labels",
+            "checkpoint_reload_and_callback_files"]
 # Input structures and sizes (tests/test_input_matrix.py splits them all in one process).
 STRUCTURES = ["seeded_structured_inputs", "seeded_generator", "seeded_fewer_samples_than_processes"]
 CONFIGURATIONS = {"jax": ["plain_1", "keras_dist_1", "launch_2"], "torch": ["plain_1", "keras_dist_1", "launch_2", "torchrun_2"]}
@@ -62,6 +64,18 @@ def test_seeded_guides_match_one_plain_process_at_the_global_batch(guides):
             for rank, result in enumerate(results[configuration][pattern]):
                 assert "refused" not in result, result.get("refused")
                 assert_close(result, reference, f"{keras_backend} {configuration} rank {rank} {pattern}")
+
+
+def test_shuffled_shards_learn_what_one_process_learns(guides):
+    keras_backend, results = guides
+    for configuration in CONFIGURATIONS[keras_backend][1:]:
+        assert_learns_like_one_process(results, configuration)
+
+
+def test_every_rank_reloads_the_best_checkpoint_and_callback_files_are_the_chiefs(guides):
+    keras_backend, results = guides
+    for configuration in CONFIGURATIONS[keras_backend]:
+        assert_reloads_the_best_and_callback_files(results, configuration)
 
 
 def test_unseeded_guides_start_alike_and_keep_a_frozen_layer_frozen(guides):

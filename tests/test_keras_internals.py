@@ -93,6 +93,26 @@ def test_trainer_mixin():
         assert issubclass(keras.Model, mixin) and callable(mixin.compile)
 
 
+def test_base_metrics_result():
+    with canary("keras.src.trainers.trainer's get_metrics_result (on the trainer mixin)",
+                "keras_dist.keras_workarounds_torch reads a process's own metric results with it under Keras 3.16's "
+                "torch trainer"):
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(loss="mse", metrics=["mae"])
+        model.evaluate(np.ones((4, 2)), np.zeros((4, 1)), verbose=0)
+        assert set(keras_internals.base_metrics_result(model)) == {"loss", "mae"}
+
+
+def test_torch_ddp_initializer():
+    pytest.importorskip("torch")
+    with canary("keras.src.backend.torch.trainer's _initialize_ddp (Keras 3.16, keras-team/keras#23316)",
+                "keras_dist.keras_workarounds_torch turns Keras's DistributedDataParallel wrapping off with it"):
+        name = keras_internals.torch_ddp_initializer()
+        major_minor = tuple(int(part) for part in keras.__version__.split(".")[:2])
+        # From 3.16 Keras wraps torch models itself: the name must be found, or two reductions run a step.
+        assert (name is not None) == (major_minor >= (3, 16)), (keras.__version__, name)
+
+
 def test_base_optimizer():
     with canary("keras.src.optimizers.base_optimizer.BaseOptimizer.add_variable_from_reference",
                 "keras_dist.keras_workarounds.sharded_variable_updates creates sharded variables' slots with it"):

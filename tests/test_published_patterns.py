@@ -25,7 +25,9 @@ EXACT = ["compile_twice", "custom_compile_two_optimizers", "custom_train_step", 
          "validation_split", "callbacks", "evaluate_before_fit", "save_and_load"]
 # Random augmentation, per-replica batch statistics, float16 rounding: workers agree only.
 AGREE = ["batchnorm_augmentation", "mixed_precision", "gan_without_call"]
-PATTERNS = EXACT + AGREE
+# Shuffled: another order than one process's, but as much learned.
+LEARNS = ["alternating_labels"]
+PATTERNS = EXACT + AGREE + LEARNS + ["checkpoint_reload_and_callback_files"]
 # keras_dist in one process is test_api's case (it changes nothing without a launcher).
 SYNCHRONOUS = ["horovod_2", "mwms_2"]
 
@@ -83,6 +85,47 @@ def test_pattern_trains_the_same_model_on_every_worker(results, configuration, p
     first, second = results[configuration][pattern]
     assert_close(second, first, f"{configuration} {pattern}", tolerance=0)
     assert all(np.isfinite(w).all() for w in first["weights"])
+
+
+@pytest.mark.parametrize("configuration", SYNCHRONOUS)
+def test_shuffled_shards_learn_what_one_process_learns(results, configuration):
+    assert_learns_like_one_process(results, configuration)
+
+
+def assert_learns_like_one_process(results, configuration):
+    """Labels 0, 1, 0, 1, ...: fixed-stride shards gave each replica one class, and the loss
+    stayed at a constant output's, log 2 (issue 47). The loss, not the accuracy: a unit that
+    learned nothing keeps an initial sign, right or wrong by chance (0.84 or 0.16)."""
+    reference = results["plain_1"]["alternating_labels"][0]["evaluate"]
+    assert max(r["loss"] for r in reference.values()) < 0.5 and min(r["accuracy"] for r in reference.values()) > 0.8
+    for rank, result in enumerate(results[configuration]["alternating_labels"]):
+        assert "refused" not in result, result.get("refused")
+        for kind, expected in reference.items():
+            where = f"{configuration} rank {rank} {kind}"
+            assert result["evaluate"][kind]["loss"] == pytest.approx(expected["loss"], abs=0.02), where
+            assert result["evaluate"][kind]["accuracy"] == pytest.approx(expected["accuracy"], abs=0.02), where
+
+
+@pytest.mark.parametrize("configuration", SYNCHRONOUS)
+def test_every_rank_reloads_the_best_checkpoint_and_callback_files_are_the_chiefs(results, configuration):
+    assert_reloads_the_best_and_callback_files(results, configuration)
+
+
+def assert_reloads_the_best_and_callback_files(results, configuration):
+    """`load_weights` right after `fit` reads the chief's committed best epoch on every rank; a
+    script's file-writing callback logs one line on rank 1, or writes on the chief alone
+    through `chief_only` (issue 46)."""
+    distributed = not configuration.endswith("_1")
+    for rank, result in enumerate(results[configuration]["checkpoint_reload_and_callback_files"]):
+        assert "refused" not in result, result.get("refused")
+        for member, weights in enumerate(result["members"]):
+            assert_close(weights["loaded"], weights["best"], f"{configuration} rank {rank} member {member}")
+        assert result["writers"] == {"every_rank": ["0", "1"] if distributed else ["0"], "chief_only": ["0"]}
+        lines = [line for line in result["warnings"] if "chief_only" in line]
+        if rank == 0:
+            assert lines == [], lines
+        else:
+            assert len(lines) == 1 and "every_rank.0.txt from your callback EpochFiles" in lines[0], lines
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

@@ -105,6 +105,18 @@ class EpochPosition:
         return epoch
 
 
+class FollowEpochs(keras.callbacks.Callback):
+    """Keeps `EpochPosition.epoch` at the epoch under way where no `ResumePoint` does (a fit
+    of several processes without a backup), for the inputs whose order keras_dist draws."""
+
+    def __init__(self, position: EpochPosition) -> None:
+        super().__init__()
+        self.position = position
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.position.epoch = epoch
+
+
 def backup_of(callbacks: list) -> keras.callbacks.BackupAndRestore | None:
     """The `BackupAndRestore` among `callbacks`, if any (inside a worker's stand-in too,
     `keras_dist.callbacks.scratch.ScratchCallback`)."""

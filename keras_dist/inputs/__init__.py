@@ -4,7 +4,11 @@ Keras routes a call's input from its trainer through a data adapter to the distr
 keras_dist splits it once, before that route starts, by one rule for every kind Keras
 accepts: element i goes to replica i mod N, the batch size stays per replica, training
 shards are padded so every replica runs the same number of steps, and evaluation and
-prediction shards are not (every example counts once). Each kind has its module, and
+prediction shards are not (every example counts once). Element i is the i-th of the
+epoch's order: where `fit` shuffles, keras_dist draws one permutation of the whole input
+per epoch (from the job's seed and the epoch, as `DistributedSampler.set_epoch`) and
+splits that, so each replica's batches are a uniform sample of the data set, different
+every epoch, never a fixed stride of it (docs/semantics.md). Each kind has its module, and
 only the module of a kind imports its framework:
 
 * arrays (NumPy, or anything with `__array__`): `keras_dist.inputs.arrays`;
@@ -96,10 +100,11 @@ def fit(strategy: "Strategy", data: Inputs, validation_data: Any = None, validat
         position: "EpochPosition | None" = None, shuffle: bool | str = False) -> tuple[Inputs, Inputs | None]:
     """This process's training input (padded to equal steps) and validation input (None: none).
 
-    With `position` (a fit that resumes inside an epoch, `keras_dist.fault_tolerance.resume`),
-    inputs whose order keras_dist can draw (arrays that `shuffle`, a PyDataset of known
-    length, a DataLoader it splits) are ordered by it and start the epoch resumed at its
-    next step themselves (`Inputs.ordered`, `EpochPosition.sources_skip`).
+    With `position` (a fit that may resume inside an epoch, `keras_dist.fault_tolerance.resume`,
+    or that several processes run), inputs whose order keras_dist can draw (arrays that
+    `shuffle`, a PyDataset of known length, a DataLoader it splits) are ordered by it, one
+    global permutation per shuffled epoch, and start an epoch resumed at its next step
+    themselves (`Inputs.ordered`, `EpochPosition.sources_skip`).
     """
     if validation_split and validation_data is None and arrays.is_array_input(data.x):
         data, validation_data = _hold_out(data, validation_split)
@@ -185,8 +190,10 @@ def _hold_out(data: Inputs, fraction: float) -> tuple[Inputs, tuple]:
 
 
 def _ordered(strategy, data: Inputs, position: "EpochPosition", shuffle: bool | str) -> Inputs | None:
-    """This process's training share of `data`, ordered by keras_dist for a fit that resumes
-    inside an epoch; None where keras_dist cannot order it (`_split` splits it then)."""
+    """This process's training share of `data`, ordered by keras_dist (a fit that may resume
+    inside an epoch, or that several processes run): each epoch that `fit` shuffles is one
+    permutation of the whole input, drawn from the job's seed and the epoch, split
+    interleaved; None where keras_dist cannot order it (`_split` splits it then)."""
     plan, x = strategy.input_plan, data.x
     if isinstance(x, keras.utils.PyDataset) and x.num_batches is not None:
         x = ShardedPyDataset(x, plan.num_shards, plan.shard_index, True, plan.batch_multiplier,
@@ -197,7 +204,9 @@ def _ordered(strategy, data: Inputs, position: "EpochPosition", shuffle: bool | 
         if data_loader.is_split(x):
             return None
         x = _split_data_loader(strategy, x, True, position)
-    elif x is not None and arrays.is_array_input(x) and shuffle and shuffle != "batch":
+    elif x is not None and arrays.is_array_input(x) and shuffle and (shuffle != "batch" or plan.num_shards > 1):
+        # Under several processes "batch" (Keras: shuffle within batch-sized chunks) draws one
+        # global permutation too: any order kept inside a chunk gives each shard a fixed stride.
         parts = {"x": x, "y": data.y, "sample_weight": data.sample_weight}
         if arrays.num_samples(parts) == 0:
             return None

@@ -110,8 +110,9 @@ def shard_data_loader(loader: data.DataLoader, num_shards: int, index: int, pad:
         position: the epochs' order and the step an epoch resumed starts at (None: the
             dataset's order, where the loader does not shuffle and fit does not resume).
     """
+    shuffle = shuffles(loader)  # first: a one-line error for a loader that cannot be split
     batch_size = loader.batch_size * batch_multiplier
-    sampler = InterleavedSampler(len(loader.dataset), num_shards, index, pad, position, shuffles(loader), batch_size)
+    sampler = InterleavedSampler(len(loader.dataset), num_shards, index, pad, position, shuffle, batch_size)
     return data.DataLoader(
         loader.dataset, batch_size=batch_size, sampler=sampler,
         num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,

@@ -37,10 +37,12 @@ class ShardedPyDataset(keras.utils.PyDataset):
             that are collectives).
         contiguous: consecutive runs of batches instead of interleaved ones; needs a
             known length.
-        position: for a `fit` that resumes inside an epoch (a known length): the fit's
-            `EpochPosition`, which starts the epoch resumed at its next step and, with
-            `shuffle`, orders each epoch's steps (Keras's shuffle draws from Python's global
-            random state, which a restarted process cannot bring back).
+        position: for a `fit` that keras_dist orders (a known length): the fit's
+            `EpochPosition`, which starts an epoch resumed at its next step and, with
+            `shuffle`, orders each epoch's batches: one permutation of all the script's
+            batches, split as above, so no shard keeps a fixed stride of them (Keras's
+            shuffle draws from Python's global random state, which a restarted process
+            cannot bring back, and would only reorder this shard's own).
         shuffle: the script's `fit(shuffle=...)`, taken over with `position`.
     """
 
@@ -61,6 +63,7 @@ class ShardedPyDataset(keras.utils.PyDataset):
             # This shard's own steps; at least one, as Keras cannot evaluate an empty PyDataset.
             steps = max(1, min(steps, -(-(total - self.first) // self.per_step)))
         self.steps = steps
+        self._order: tuple[int, np.ndarray] | None = None
 
     @property
     def num_batches(self) -> int | None:
@@ -72,17 +75,24 @@ class ShardedPyDataset(keras.utils.PyDataset):
             epoch = self.position.epoch
             # Beyond the epoch's steps only where a prefetch reads ahead: wrapped, never used.
             step = (step + self.position.first_step(epoch)) % self.steps
-            if self.shuffle:
-                step = int(self.position.order(epoch, self.steps)[step])
         wanted = [step * self.per_step + self.first + j for j in range(self.own)]
         if self.stand_in:
             wanted = [0]
         elif total is not None:
             wanted = [i % total for i in wanted] if self.pad else [i for i in wanted if i < total]
+            if self.position is not None and self.shuffle:
+                wanted = [int(i) for i in self._epoch_order(total)[wanted]]
         parts = [self.dataset[i] for i in wanted] or [tree.map_structure(lambda a: a[:0], self.dataset[0])]
         if len(parts) == 1:
             return parts[0]
         return tree.map_structure(lambda *leaves: np.concatenate(leaves), *parts)
+
+    def _epoch_order(self, total: int) -> np.ndarray:
+        """The permutation of the script's `total` batches for the epoch under way."""
+        epoch = self.position.epoch
+        if self._order is None or self._order[0] != epoch:
+            self._order = epoch, self.position.order(epoch, total)
+        return self._order[1]
 
     def on_epoch_begin(self) -> None:
         self.dataset.on_epoch_begin()

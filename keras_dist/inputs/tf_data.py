@@ -10,11 +10,15 @@ A `tf.data.Dataset` is split interleaved (element i to shard i mod N, as arrays 
   right after the list of file names, before any shuffle of it.
 * **Elements.** Otherwise the stream of elements is split interleaved as early as the
   pipeline allows: just before the run of element-wise steps (`map`, `prefetch`, an
-  in-memory `cache`, an unseeded `shuffle`) that leads to the first `batch`. Everything
-  after the split (decoding, augmentation) runs on the shard only; the steps before it
-  (a seeded `shuffle`, `filter`, `take`, `repeat`, reading a single file) still run on
-  every process, so that the interleaved order, and the equivalence above, hold. An
-  unseeded shuffle has no order to keep, so the split goes before it.
+  in-memory `cache`) that leads to the first `batch`. Everything after the split
+  (decoding, augmentation) runs on the shard only; the steps before it (a `shuffle`,
+  `filter`, `take`, `repeat`, reading a single file) still run on every process, so that
+  the interleaved order, and the equivalence above, hold. Every shuffle before the split
+  takes seeds all processes agree on, so each epoch's shards are parts of one global
+  permutation; an unseeded shuffle among the element-wise steps is moved ahead of them
+  (shuffling commutes with them), so decoding still runs on the shard only. One behind an
+  in-memory cache, or after the first `batch`, stays where it is: it shuffles this
+  shard's own elements (docs/semantics.md).
 
 Training shards are padded so every shard has the same number of elements (and so the
 same number of steps, which collectives need): fewer than N elements, taken again from
@@ -222,6 +226,7 @@ class Pipeline:
                 counts = allgather(count) if allgather else [count] * num_shards
                 self._pad(split, max(counts) - counts[index])
         else:
+            split = self._shuffle_before_split(split)
             self._same_order_before(split, allgather)
             end = self._pad(split, -self._count(split) % num_shards) if pad else split
             self._insert_after(end, self._shard(num_shards, index, end))
@@ -252,6 +257,38 @@ class Pipeline:
             # with the same seeds; V3's seed generator was made from this process's seeds.
             node.op = "ShuffleDataset"
             node.input[:] = [node.input[0], node.input[1], self._const(seed), self._const(seed2)]
+
+    def _shuffle_before_split(self, split):
+        """Where an unseeded shuffle follows `split` across element-wise steps only, moves it to
+        just after `split` and returns it as the split point; else returns `split`.
+
+        Split before it, each shard would shuffle a fixed stride of the data (element i to
+        shard i mod N in every epoch): a data set with a period dividing N (labels 0, 1, 0,
+        1) gives each replica one class. Shuffled first, with seeds every process agrees on
+        (`_same_order_before`), each epoch's shards are parts of one global permutation,
+        while the element-wise steps it moved over still run on the shard only. A shuffle
+        behind an in-memory cache stays: moved before it, the cache would keep its first
+        epoch's order for good.
+        """
+        start = self.chain.index(split) + 1
+        for position in range(start, self.first_batch):
+            node = self.chain[position]
+            if node.op in _CACHE_OPS:
+                return split
+            if node.op in _SHUFFLE_OPS:
+                break
+        else:
+            return split
+        if position > start:
+            # Reads what the step it now precedes read: its elements take their types.
+            consumer = self.chain[position + 1]
+            consumer.input[0] = node.input[0]
+            before, after = self.chain[start - 1], self.chain[start]
+            node.input[0], after.input[0] = before.name, node.name
+            node.attr["output_types"].CopyFrom(_output_types(before))
+            node.attr["output_shapes"].CopyFrom(before.attr["output_shapes"])
+            self.chain.insert(start, self.chain.pop(position))
+        return node
 
     def _element_split_point(self):
         """The last node before the run of element-wise ops that leads to the first batch."""

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import runtime, settings
+from keras_dist import keras_workarounds_torch, runtime, settings
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment
@@ -85,6 +85,7 @@ class TorchDistributedStrategy(Strategy):
             overlapped.remove()
         self._overlapped.clear()
         if self.size > 1:
+            keras_workarounds_torch.one_reduction_per_step(model)
             # Marks the model's train steps (Keras's or the script's own), the only place a
             # backward pass may start collectives: a backward on one process alone (the
             # chief's own analysis after fit) must not.

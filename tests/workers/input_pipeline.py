@@ -90,6 +90,8 @@ if __name__ == "__main__":
                         .batch(8).prefetch(tf.data.AUTOTUNE)),
         "seeded_shuffle": fit(tf.data.Dataset.range(250).shuffle(100, seed=4).map(features).batch(8)),
         "unseeded_shuffle": fit(tf.data.Dataset.range(250).shuffle(100).map(features).batch(8)),
+        # keras_dist moves the shuffle ahead of the map: still only the share is mapped.
+        "unseeded_shuffle_after_map": fit(tf.data.Dataset.range(250).map(features).shuffle(250).batch(8)),
         "rank_seeded_shuffle": fit(rank_seeded(lambda: tf.data.Dataset.range(250).shuffle(100).map(features).batch(8))),
         "files": fit(tf.data.TFRecordDataset(files).map(parse).map(features).batch(8)),
         "listed_files": fit(tf.data.Dataset.list_files(os.path.join(files_dir, "*.tfrecord"))

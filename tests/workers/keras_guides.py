@@ -25,7 +25,7 @@ from keras import ops
 
 import keras_dist  # noqa: F401  (its start-up effects, as in a script)
 from keras_dist import environments
-from pattern_runner import compile_for, data_of, run_patterns
+from pattern_runner import alternating_labels, checkpoint_reload_and_callback_files, compile_for, data_of, run_patterns
 
 OUT_DIR, MODE, NAMES = sys.argv[1], sys.argv[2], sys.argv[3:]
 GLOBAL_BATCH = 16
@@ -348,6 +348,14 @@ def pattern_unseeded_transfer_learning():
     history = head.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     return {"frozen_moved": any(moved), "weights": [np.array(w) for w in first.get_weights() + head.get_weights()],
             "history": history.history}
+
+
+def pattern_alternating_labels():
+    return alternating_labels(compile, BATCH, ["arrays", "tf_data", "dataloader"])
+
+
+def pattern_checkpoint_reload_and_callback_files():
+    return checkpoint_reload_and_callback_files(compile, BATCH, OUT_DIR, RANK)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import tensorflow as tf
 from keras import ops
 
 import keras_dist
-from pattern_runner import compile_for, data_of, run_patterns
+from pattern_runner import alternating_labels, checkpoint_reload_and_callback_files, compile_for, data_of, run_patterns
 
 OUT_DIR, MODE, NAMES = sys.argv[1], sys.argv[2], sys.argv[3:]
 GLOBAL_BATCH = 32
@@ -380,6 +380,14 @@ def pattern_gan_without_call():
     history = gan.fit(tf.data.Dataset.from_tensor_slices(x).batch(BATCH), epochs=2, verbose=0)
     return {"weights": [np.array(w) for w in discriminator.get_weights() + generator.get_weights()],
             "history": history.history}
+
+
+def pattern_alternating_labels():
+    return alternating_labels(compile, BATCH, ["arrays", "tf_data"])
+
+
+def pattern_checkpoint_reload_and_callback_files():
+    return checkpoint_reload_and_callback_files(compile, BATCH, OUT_DIR, RANK)
 
 
 if __name__ == "__main__":

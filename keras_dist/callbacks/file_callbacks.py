@@ -1,0 +1,141 @@
+"""Callbacks that write files: Keras's run on the chief alone; the script's own, where it says so.
+
+keras_dist runs Keras's own file callbacks (`FILE_WRITING_CALLBACKS`) on the chief alone
+(`callbacks_for_this_worker`). A callback of the script's own (a GAN's image monitor, a
+report writer) runs on every worker, as every callback must where it may read logs or
+take part in a collective; where it writes files, every worker writes them, at the same
+paths, racing the chief. `chief_only(callback)` runs it on the chief alone. Otherwise, on
+a worker other than the chief, the first file such a callback opens for writing during
+`fit` is logged in one line that names the file, the callback and the fix (`watched`: a
+Python audit hook on `open`, installed once per process; it sees files opened from
+Python, not from C libraries).
+"""
+
+import contextlib
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, TypeVar
+
+import keras
+
+from keras_dist.fault_tolerance.atomic_writes import make_writes_atomic
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
+
+logger = logging.getLogger("keras_dist")
+CallbackT = TypeVar("CallbackT", bound=keras.callbacks.Callback)
+
+# Callbacks that write under a user-given path. A user subclass of one counts too.
+FILE_WRITING_CALLBACKS = (
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.BackupAndRestore,
+    keras.callbacks.TensorBoard,
+    keras.callbacks.CSVLogger,
+)
+_CHIEF_ONLY: "weakref.WeakSet[keras.callbacks.Callback]" = weakref.WeakSet()
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT
+
+
+def chief_only(callback: CallbackT) -> CallbackT:
+    """Runs `callback` on the chief alone; the other workers leave it out of `fit`.
+
+    For a callback of yours that only writes files (images, reports): under keras_dist
+    every worker runs your callbacks, so each would write them. Not for a callback that
+    changes training (the learning rate, stopping), which every worker needs.
+
+    Returns `callback` itself: `callbacks=[keras_dist.callbacks.chief_only(GANMonitor())]`.
+    """
+    if not isinstance(callback, keras.callbacks.Callback):
+        raise TypeError(f"chief_only takes a keras.callbacks.Callback, got {type(callback).__name__}")
+    _CHIEF_ONLY.add(callback)
+    return callback
+
+
+def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | keras.callbacks.CallbackList | None,
+                              strategy: "Strategy") -> list[keras.callbacks.Callback]:
+    """The user's callbacks as this worker must run them.
+
+    Args:
+        callbacks: a list of callbacks, a `keras.callbacks.CallbackList`, or None.
+        strategy: the active keras_dist strategy.
+
+    Returns:
+        A new list. On the chief, every callback, checkpoints written atomically
+        (`make_writes_atomic`). On other workers, those passed through `chief_only` are
+        left out, and Keras's file-writing callbacks dropped or, where the strategy's
+        saves are collective (every worker must take part in a save), replaced by the
+        strategy's stand-in (`Strategy.worker_file_callback`).
+    """
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    callbacks = list(callbacks or [])
+    if strategy.is_chief:
+        return [strategy.chief_file_callback(make_writes_atomic(c)) if isinstance(c, FILE_WRITING_CALLBACKS) else c
+                for c in callbacks]
+    kept = [strategy.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
+            if c not in _CHIEF_ONLY]
+    return [c for c in kept if c is not None]
+
+
+class _Watch:
+    """The rank of the fit watched now (None: none), and whether this process has warned."""
+
+    rank: int | None = None
+    warned = False
+    hooked = False
+
+
+def _writes(mode: str | None, flags: int) -> bool:
+    if isinstance(mode, str) and any(c in mode for c in "wax+"):
+        return True
+    return isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
+
+
+def _script_callback_on_stack() -> keras.callbacks.Callback | None:
+    """The script's own callback (neither Keras's nor keras_dist's, nor a file callback
+    keras_dist already keeps to the chief) whose code is on the stack, if any."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.Callback) and not isinstance(owner, FILE_WRITING_CALLBACKS) \
+                and not type(owner).__module__.startswith(("keras.", "keras_dist.")):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _on_audit_event(event: str, args: tuple) -> None:
+    if event != "open" or _Watch.rank is None or _Watch.warned:
+        return
+    path, mode, flags = args
+    if not isinstance(path, (str, bytes, os.PathLike)) or not _writes(mode, flags):
+        return
+    callback = _script_callback_on_stack()
+    if callback is None:
+        return
+    _Watch.warned = True
+    name = type(callback).__name__
+    logger.warning("keras_dist: rank %s writes %s from your callback %s, as the chief does (every worker runs your "
+                   "callbacks); pass it as keras_dist.callbacks.chief_only(%s(...)), or write only where "
+                   "keras_dist.current().is_chief", _Watch.rank, os.fsdecode(path), name, name)
+
+
+@contextlib.contextmanager
+def watched(strategy: "Strategy") -> Iterator[None]:
+    """While `fit` runs: on a worker other than the chief, the first file a callback of the
+    script's opens for writing is logged, once per process."""
+    if strategy.is_chief or strategy.size == 1:
+        yield
+        return
+    if not _Watch.hooked:
+        sys.addaudithook(_on_audit_event)  # cannot be removed: idle outside `watched`
+        _Watch.hooked = True
+    _Watch.rank = strategy.rank
+    try:
+        yield
+    finally:
+        _Watch.rank = None
