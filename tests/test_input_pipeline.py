@@ -168,6 +168,7 @@ def assert_global_permutations(epochs, length):
 
 
 def test_an_unseeded_shuffle_splits_one_global_permutation_and_moves_ahead_of_maps():
+    tf.random.set_seed(None)  # a global seed an earlier test left would seed the shuffle
     dataset = tf.data.Dataset.range(64).map(lambda i: i * 1).shuffle(64).batch(4)
     agreed = _AgreedSeeds(2)
     split = [tf_data.shard_dataset(dataset, 2, r, pad=True, allgather=agreed)[0] for r in range(2)]
@@ -179,6 +180,7 @@ def test_an_unseeded_shuffle_splits_one_global_permutation_and_moves_ahead_of_ma
 
 
 def test_a_shuffle_behind_a_cache_stays_and_shuffles_each_shard():
+    tf.random.set_seed(None)
     dataset = tf.data.Dataset.range(16).map(lambda i: i * 1).cache().shuffle(16).batch(4)
     served = _epochs([s.as_numpy_iterator() for s in
                       (tf_data.shard_dataset(dataset, 2, r, pad=True)[0] for r in range(2))], 1)[0]

@@ -123,6 +123,38 @@ def test_a_job_killed_mid_epoch_resumes_exactly(tmp_path, references, configurat
     assert_resumed_exactly(references(configuration, backend, data), killed, restored)
 
 
+@pytest.mark.parametrize("configuration, backend, data", [
+    ("horovod_2", "tensorflow", "arrays"), ("torchrun_2", "torch", "py_dataset"), ("launch_2", "jax", "arrays")])
+def test_backups_do_not_change_training(tmp_path, references, configuration, backend, data):
+    """The same seeded script with its BackupAndRestore (the reference) and with no backup at
+    all ends with the same weights and losses: one ordering rule, the job's seed and the
+    epoch, whether backups are on or off (issue 44 item 3; before, 0.02-0.04 apart)."""
+    code, out = runner.run(command(configuration, [WORKER, tmp_path, data, "--no-backup"]), 240,
+                           {"KERAS_BACKEND": backend})
+    assert code == 0, out[-3000:]
+    expected, unbacked = np.load(references(configuration, backend, data) / "result.npz"), np.load(tmp_path / "result.npz")
+    for name in expected.files:
+        np.testing.assert_allclose(unbacked[name], expected[name], atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("configuration, backend", [("torchrun_2", "torch"), ("launch_2", "jax"),
+                                                   ("horovod_2", "tensorflow")])
+def test_callback_state_survives_a_restart(tmp_path, configuration, backend):
+    """ModelCheckpoint's best value and a script callback's own state (`get_state`/`set_state`)
+    are part of the backup: a job killed in its last epoch, after its best one, keeps the
+    best checkpoint (before, the first epoch after the restart overwrote it) and the count,
+    and ends as the uninterrupted run (issue 44 item 2)."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    code, out = runner.run(command(configuration, [WORKER, reference, "arrays", "--callback-state"]), 240,
+                           {"KERAS_BACKEND": backend})
+    assert code == 0, out[-3000:]
+    killed = tmp_path / "killed"
+    run_killed_and_rerun(killed, configuration, backend, ["arrays", "--callback-state", "--kill-at", 30])
+    assert_resumed_exactly(reference, killed)
+    assert int(np.load(killed / "result.npz")["epochs_seen"]) == EPOCHS
+
+
 @pytest.mark.parametrize("backend, data, notice_to, extra", [
     # The launcher passes the notice on; the script has no BackupAndRestore: --backup-dir's.
     ("jax", "arrays", "launcher", ("--no-backup",)),

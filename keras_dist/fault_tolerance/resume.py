@@ -45,10 +45,13 @@ logger = logging.getLogger("keras_dist")
 
 # The key of keras_dist's part of Keras's `training_metadata.json`.
 METADATA_KEY = "keras_dist"
-# The state of Keras callbacks that counts across epochs, restored on resume.
+# The state of Keras callbacks that counts across epochs, restored on resume. ModelCheckpoint's
+# best value too: without it the first epoch after a restart overwrote the best checkpoint
+# (as keras-team/keras#17012 reports of Keras's own BackupAndRestore).
 _CALLBACK_STATE = {
     keras.callbacks.EarlyStopping: ("wait", "best", "best_epoch", "stopped_epoch"),
     keras.callbacks.ReduceLROnPlateau: ("wait", "best", "cooldown_counter"),
+    keras.callbacks.ModelCheckpoint: ("best",),
 }
 
 
@@ -224,8 +227,12 @@ class ResumePoint(keras.callbacks.Callback):
         random_states = state["random_states"]
         self._restored_random = random_states[self.strategy.rank % len(random_states)]
         for name, callback in self.counting:
-            for attribute, value in state["callbacks"].get(name, {}).items():
-                setattr(callback, attribute, value)
+            saved = state["callbacks"].get(name)
+            if saved is not None and _keeps_own_state(callback):
+                callback.set_state(saved)
+            else:
+                for attribute, value in (saved or {}).items():
+                    setattr(callback, attribute, value)
         # Keras counts epochs from 0 in each fit: its own metadata would say epoch 0.
         self.backup._current_epoch = epoch
         if self.strategy.is_chief:
@@ -305,8 +312,7 @@ class ResumePoint(keras.callbacks.Callback):
         script's callbacks have counted this step or epoch)."""
         model = self.model  # on JAX, reading it brings the step's state into the variables
         return {**self._snapshot, "seed_states": _seed_states(model),
-                "callbacks": {name: {a: _plain(getattr(c, a)) for a in _CALLBACK_STATE[type(c)] if hasattr(c, a)}
-                              for name, c in self.counting}}
+                "callbacks": {name: _callback_state(c) for name, c in self.counting}}
 
     def _collective_state(self, epoch: int, steps: int) -> dict:
         """The position, and what differs from process to process, gathered (a collective)."""
@@ -343,12 +349,24 @@ def _read_metadata(backup: keras.callbacks.BackupAndRestore) -> dict | None:
         return json.load(f).get(METADATA_KEY)
 
 
+def _keeps_own_state(callback: Any) -> bool:
+    """Whether a script's callback saves its own state: `get_state()` returns what JSON can
+    hold, which `set_state(state)` puts back on resume (docs/fault-tolerance.md)."""
+    return callable(getattr(callback, "get_state", None)) and callable(getattr(callback, "set_state", None))
+
+
+def _callback_state(callback: Any) -> Any:
+    if _keeps_own_state(callback):
+        return callback.get_state()
+    return {a: _plain(getattr(callback, a)) for a in _CALLBACK_STATE[type(callback)] if hasattr(callback, a)}
+
+
 def _counting_callbacks(callbacks: list) -> list:
     """(name, callback) of the fit's callbacks whose counters span epochs, named by type and rank."""
     seen: dict[str, int] = {}
     named = []
     for callback in callbacks:
-        if type(callback) in _CALLBACK_STATE:
+        if type(callback) in _CALLBACK_STATE or _keeps_own_state(callback):
             kind = type(callback).__name__
             named.append((f"{kind}_{seen.get(kind, 0)}", callback))
             seen[kind] = seen.get(kind, 0) + 1

@@ -2,7 +2,7 @@
 
     python resume.py OUT_DIR INPUT [--kill-at STEP] [--kill-rank R] [--during-save] [--save-freq K]
                      [--notice-at STEP --notice-to launcher|self] [--no-backup] [--step-seconds S]
-                     [--record-samples]
+                     [--record-samples] [--callback-state]
 
 INPUT: arrays (shuffle=True), tf_data (a map with per-element work), py_dataset or
 data_loader (shuffle=True). 96 samples, batch 4 per replica, 3 epochs, a Dropout (its
@@ -19,6 +19,10 @@ that step instead, to the launcher or to itself, and writes the time to OUT_DIR/
 --step-seconds slows each step, so that a notice meets a step still to come. With
 --record-samples (PyTorch: a layer's call runs at every step), each rank appends the
 sample ids it trains to OUT_DIR/samples.ATTEMPT.RANK, a line `epoch step id id ...` a step.
+With --callback-state, a `ModelCheckpoint(save_best_only=True)` whose monitor gets worse
+(the loss, mode "max": its best is the first epoch) writes OUT_DIR/best.weights.h5, and a
+callback of the script's keeps its own state (`get_state`/`set_state`: the epochs it saw);
+result.npz also holds the best checkpoint's weights (`best_*`) and that count.
 """
 
 import argparse
@@ -45,6 +49,7 @@ parser.add_argument("--notice-to", choices=["launcher", "self"], default="self")
 parser.add_argument("--no-backup", action="store_true")
 parser.add_argument("--step-seconds", type=float, default=0.0)
 parser.add_argument("--record-samples", action="store_true")
+parser.add_argument("--callback-state", action="store_true")
 args = parser.parse_args()
 
 ctx = keras_dist.init()
@@ -156,8 +161,37 @@ if args.during_save and first_attempt and ctx.is_chief:
 
     atomic_writes.publish = publish_or_die
 
+
+
+class EpochsSeen(keras.callbacks.Callback):
+    """A script's callback with state of its own, which it saves and restores through keras_dist."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.count += 1
+
+    def get_state(self):
+        return {"count": self.count}
+
+    def set_state(self, state):
+        self.count = state["count"]
+
+
+callbacks = [steps] if args.no_backup else [backup, steps]
+seen = EpochsSeen()
+best_path = os.path.join(args.out, "best.weights.h5")
+if args.callback_state:
+    callbacks += [keras.callbacks.ModelCheckpoint(best_path, monitor="loss", mode="max", save_best_only=True,
+                                                  save_weights_only=True), seen]
 history = model.fit(**make_input(), batch_size=None if args.input in ("tf_data", "py_dataset", "data_loader")
-                    else batch_size, epochs=3, verbose=0, callbacks=[steps] if args.no_backup else [backup, steps])
+                    else batch_size, epochs=3, verbose=0, callbacks=callbacks)
+final = [np.asarray(w) for w in model.get_weights()]
+extra = {}
+if args.callback_state:
+    model.load_weights(best_path)  # right after fit, on every rank
+    extra = {"epochs_seen": np.asarray(seen.count), **{f"best_{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}}
 if ctx.is_chief:
-    np.savez(os.path.join(args.out, "result.npz"), loss=np.asarray(history.history["loss"]),
-             *[np.asarray(w) for w in model.get_weights()])
+    np.savez(os.path.join(args.out, "result.npz"), *final, loss=np.asarray(history.history["loss"]), **extra)
