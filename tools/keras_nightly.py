@@ -45,9 +45,14 @@ def main() -> int:
     site_packages = next((venv / "lib").glob("python3*/site-packages"))
     # keras_dist from this checkout, then this environment's packages (its own Keras shadowed).
     (site_packages / "keras_dist_environment.pth").write_text("\n".join([str(ROOT), *site.getsitepackages()]) + "\n")
-    console = venv / "bin" / "keras-dist"  # the tests run the command beside their Python
-    console.write_text(f"#!{python}\nimport sys\nfrom keras_dist.cli import main\nsys.exit(main())\n")
-    console.chmod(0o755)
+    # The tests run these commands beside their Python: keras_dist's, and Horovod's launcher.
+    for name, module, function in (("keras-dist", "keras_dist.cli", "main"),
+                                   ("horovodrun", "horovod.runner.launch", "run_commandline")):
+        console = venv / "bin" / name
+        # Guarded as pip writes them: horovodrun's spawned helpers import it again.
+        console.write_text(f"#!{python}\nimport sys\nfrom {module} import {function}\n"
+                           f"if __name__ == '__main__':\n    sys.exit({function}())\n")
+        console.chmod(0o755)
     version = subprocess.run([python, "-c", "import keras; print(keras.__version__, keras.__file__)"],
                              capture_output=True, text=True, check=True).stdout.split()
     assert str(site_packages) in version[1], f"the scratch venv imports Keras from {version[1]}"
