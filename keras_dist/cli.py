@@ -68,7 +68,7 @@ def _launch(args):
     args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
     _require_engine(args.backend)
     from keras_dist.launchers.nodes import Nodes, serve_directory
-    from keras_dist.launchers.processes import BACKUP_DIR, RESTART, run_tasks
+    from keras_dist.launchers.processes import BACKUP_DIR, INTERRUPTED, RESTART, run_tasks
 
     nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != 1 else None
     directory = serve_directory(nodes) if nodes and nodes.rank == 0 and _uses_directory(args.backend) else None
@@ -89,9 +89,6 @@ def _launch(args):
         if directory is not None:
             directory.shutdown()
 
-
-# Exit codes of a launcher stopped by Ctrl-C or SIGTERM: not restarted.
-INTERRUPTED = (130, 143)
 
 
 def _uses_directory(backend):

@@ -20,9 +20,8 @@ def one_reduction_per_step(model: Any) -> None:
     step (`get_metrics_result`). keras_dist's PyTorch strategy already all-reduces the
     gradients, in buckets started during the backward pass, with its compression, the
     all-finite check and the step timeout, and sums metric states where and when logs
-    need them; with both, every step reduced its gradients twice (2.0x the step time on
-    the 256-1024-1024-2 MLP), and an evaluation whose shards differ by a batch would meet
-    an all-reduce on one process only. Here Keras's wrapping does nothing on this model,
+    need them; with both, every step reduced its gradients twice, and an evaluation whose
+    shards differ by a batch would meet an all-reduce on one process only. Here Keras's wrapping does nothing on this model,
     and its `get_metrics_result` is the trainer mixin's, which reads this process's states.
     Before 3.16 neither exists and nothing changes.
     """

@@ -77,7 +77,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
     import keras
 
     from keras_dist import strategies
-    from keras_dist.launchers.processes import run_tasks
+    from keras_dist.launchers.processes import INTERRUPTED, run_tasks
 
     if num_processes < 1:
         raise KerasDistError(f"num_processes must be at least 1, got {num_processes}")
@@ -90,10 +90,9 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
         tasks = strategies.local_cluster(backend, num_processes, 0, [task_script, directory])
         for task in tasks:
             task.env.setdefault("KERAS_BACKEND", keras_backend)
-        chief = tasks[0].name if tasks[0].prefix_output else "0"
-        prefix = f"[{chief}] " if tasks[0].prefix_output else "[0]<stdout>:"
+        prefix = f"[{tasks[0].name}] " if tasks[0].prefix_output else "[0]<stdout>:"  # horovodrun's own prefix
         code = run_tasks(tasks, out=_ChiefLines(sys.stdout, prefix, all_output))
-        if code in (130, 143):
+        if code in INTERRUPTED:
             raise KeyboardInterrupt(f"keras_dist.notebook_launcher: interrupted; the {len(tasks)} tasks were stopped")
         if code != 0:
             raise KerasDistError(_first_error(directory, num_processes, code))

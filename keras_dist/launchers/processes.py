@@ -159,6 +159,10 @@ def _pass_on_notice(sig, procs, grace_seconds, out):
     return 128 + sig
 
 
+# Exit codes of tasks stopped by Ctrl-C or SIGTERM (`run_tasks`): not restarted, not a failure.
+INTERRUPTED = (130, 143)
+
+
 def exit_code(returncode: int) -> int:
     """A `Popen.returncode` as a shell reports it: 128 + N for a process killed by signal N."""
     return 128 - returncode if returncode < 0 else returncode
