@@ -14,6 +14,7 @@ print(env.name, env.rank, env.size, env.is_chief, env.coordinator)
 ```
 """
 
+import glob
 import os
 import re
 import socket
@@ -90,6 +91,25 @@ class ClusterEnvironment:
 def threads_per_process(local_size: int) -> int:
     """The cores of this machine divided among `local_size` processes (at least one each)."""
     return max(1, (os.cpu_count() or 1) // local_size)
+
+
+def visible_gpus(environ: Mapping[str, str]) -> int:
+    """The NVIDIA GPUs a process started with `environ` may use on this machine, counted
+    without starting CUDA (a framework that did could not be forked or configured after)."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        # CUDA stops at the first invalid entry; "" and "-1" hide every GPU.
+        entries = [e.strip() for e in listed.split(",")]
+        count = 0
+        for entry in entries:
+            if not entry or entry.startswith("-"):
+                break
+            count += 1
+        return count
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))  # one folder per GPU the driver found
+    except OSError:  # a container may show the device files without the driver's /proc entries
+        return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def _first(environ, names, default=None):
@@ -269,7 +289,9 @@ def _tasks_on_first_node(tasks_per_node):
 class KerasDistributionEnvironment(ClusterEnvironment):
     """The variables `keras.distribution.initialize` reads (its JAX coordinator):
     `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the first is the coordinator),
-    `KERAS_DISTRIBUTION_NUM_PROCESSES` and `KERAS_DISTRIBUTION_PROCESS_ID`."""
+    `KERAS_DISTRIBUTION_NUM_PROCESSES` and `KERAS_DISTRIBUTION_PROCESS_ID`; the place on
+    its machine from `LOCAL_RANK` and `LOCAL_WORLD_SIZE` where the launcher sets them
+    (`keras-dist launch` does; Keras's own variables say nothing of machines)."""
 
     name = "keras_distribution"
     REQUIRED = ("KERAS_DISTRIBUTION_PROCESS_ID", "KERAS_DISTRIBUTION_NUM_PROCESSES")
@@ -280,6 +302,7 @@ class KerasDistributionEnvironment(ClusterEnvironment):
         addresses = [a for a in environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "").split(",") if a]
         return cls(rank=_first(environ, ["KERAS_DISTRIBUTION_PROCESS_ID"]),
                    size=_first(environ, ["KERAS_DISTRIBUTION_NUM_PROCESSES"]),
+                   local_rank=_first(environ, ["LOCAL_RANK"], 0), local_size=_first(environ, ["LOCAL_WORLD_SIZE"], 1),
                    coordinator=addresses[0] if addresses else None)
 
 

@@ -207,3 +207,31 @@ def test_a_torch_step_all_reduces_each_gradient_once(tmp_path):
         result = load(tmp_path, rank)
         assert not result["keras_wrapped_ddp"]
         assert len(result["reduced_per_step"]) >= 6 and set(result["reduced_per_step"]) == {result["parameters"]}, result
+
+
+COMPILES_PER_FIT = """
+import sys, keras, numpy as np, jax
+if sys.argv[1] == "keras_dist":
+    import keras_dist
+else:  # plain Keras under its own DataParallel
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+compile = model.compile if sys.argv[1] != "keras_dist" else lambda **kw: keras_dist.compile(model, **kw)
+compile(optimizer="sgd", loss="mse", metrics=["mae"])
+model.fit(np.zeros((32, 4)), np.zeros((32, 2)), batch_size=8, epochs=3, verbose=0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "keras_dist"])
+def test_jax_compiles_the_train_step_once_per_fit(tmp_path, mode):
+    """Canary and fix (keras_dist/keras_workarounds_jax.py): under a distribution plain
+    Keras's metric resets put the metric states on one device, and its train step is
+    compiled again in a fit (2 or 3 times); keras_dist's JAX strategy keeps them replicated: once."""
+    pytest.importorskip("jax")
+    script = tmp_path / "fit.py"
+    script.write_text(COMPILES_PER_FIT)
+    code, out = run([PYTHON, script, mode], timeout=120, env={"KERAS_BACKEND": "jax", "JAX_LOG_COMPILES": "1",
+                                                              "KERAS_DIST_BACKEND": "jax" if mode == "keras_dist" else ""})
+    assert code == 0, out[-3000:]
+    compiles = out.count("Finished XLA compilation of jit(train_step)")
+    assert compiles > 1 if mode == "plain" else compiles == 1, out[-3000:]

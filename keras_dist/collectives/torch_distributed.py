@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import socket
 import time
 from typing import Any
@@ -14,6 +15,8 @@ from keras_dist import timeouts
 from keras_dist.collectives import PEERS_SECONDS, Collectives, flatten, unflatten
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
+
+logger = logging.getLogger("keras_dist")
 
 
 class TorchTensors(Collectives):
@@ -57,6 +60,25 @@ class TorchTensors(Collectives):
                 value.copy_(wire.to(value.device))
 
 
+def _engine(torch: Any, environment: ClusterEnvironment) -> str:
+    """NCCL where each process on this machine has a GPU of its own, else gloo.
+
+    NCCL refuses two processes on one GPU (canary: tests/gpu/test_gpu.py::
+    test_nccl_refuses_two_processes_on_one_gpu); gloo all-reduces their CUDA gradients
+    through host memory instead.
+    """
+    if not torch.cuda.is_available():
+        return "gloo"
+    gpus = torch.cuda.device_count()
+    if environment.local_size <= gpus:
+        return "nccl"
+    if environment.rank == 0:
+        logger.warning("keras_dist: %d processes share %d GPU%s on this machine and NCCL needs one each, so "
+                       "gradients travel over gloo through host memory; start one process per GPU for NCCL",
+                       environment.local_size, gpus, "s" if gpus > 1 else "")
+    return "gloo"
+
+
 class TorchDistributed(TorchTensors):
     """`torch.distributed`: gloo on CPUs (CPU tensors), NCCL on GPUs (the local rank's GPU).
 
@@ -82,7 +104,7 @@ class TorchDistributed(TorchTensors):
             # bounded, where gloo's default is 30 minutes.
             self.timeout = timeouts.first_steps()
             try:
-                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                dist.init_process_group(_engine(torch, environment),
                                         init_method=f"tcp://{coordinator}", rank=environment.rank,
                                         world_size=environment.size, timeout=datetime.timedelta(seconds=self.timeout))
             except RuntimeError as exc:  # DistBackendError and DistStoreError too

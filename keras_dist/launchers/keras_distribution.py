@@ -27,5 +27,8 @@ class KerasDistributionLauncher(Launcher):
             # of it; XLA reads its flags once, when JAX starts, so they go in up front.
             threads = threads_per_process(num_workers)
             env["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}".strip()
-        return [Task(f"rank:{i}", [sys.executable, *argv], env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i)})
+        # LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun's names): which of this machine's GPUs a process takes.
+        return [Task(f"rank:{i}", [sys.executable, *argv], env={**env, "KERAS_DISTRIBUTION_PROCESS_ID": str(i),
+                                                               "LOCAL_RANK": str(i - first),
+                                                               "LOCAL_WORLD_SIZE": str(num_workers)})
                 for i in range(first, first + num_workers)]

@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import logging
 import os
+import pkgutil
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist import network, runtime, settings, timeouts
+from keras_dist import environments, keras_workarounds_jax, network, runtime, settings, timeouts
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
@@ -70,6 +71,7 @@ def _start_process_group(environment):
             # This machine is the coordinator's, and its name resolves to loopback here (Debian's
             # 127.0.1.1), where the coordinator does not listen: reach it by its address.
             coordinator = f"{address}:{port}"
+        gpus = _local_gpus(settings.environ(), environment)
         start = timeouts.first_steps()
         unjoined = (f"process {environment.rank} did not join JAX's process group at {coordinator} within {start:g} s, "
                     f"advertising {address}; check the coordinator address and set GLOO_SOCKET_IFNAME to the interface "
@@ -86,6 +88,7 @@ def _start_process_group(environment):
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
                                        process_id=environment.rank, initialization_timeout=int(start) + 5,
                                        heartbeat_timeout_seconds=2 * int(later) + _PeerWatch.MARGIN,
+                                       local_device_ids=gpus,
                                        coordinator_bind_address=None if bind is None or settings.current().bind_all
                                        else f"{bind}:{port}")
         except RuntimeError as exc:
@@ -97,6 +100,36 @@ def _start_process_group(environment):
             _gloo_advertises(address)
         _PeerWatch(_coordination_client(), environment.rank, environment.size, later).start()
     _started = True
+
+
+def _local_gpus(environ: Mapping[str, str], environment: ClusterEnvironment) -> list[int] | None:
+    """The GPUs this process takes among its machine's (`jax.distributed.initialize`'s
+    `local_device_ids`); None where JAX runs on CPUs or the process is alone on its machine.
+
+    JAX gives each process every GPU it sees, and NCCL refuses two processes on one GPU
+    (canary: tests/gpu/test_gpu.py::test_nccl_refuses_two_processes_on_one_gpu), so the
+    processes on one machine split its GPUs.
+    """
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if environment.local_size == 1 or (platforms and "cuda" not in platforms and "gpu" not in platforms):
+        return None
+    try:
+        import jax_plugins  # JAX's CUDA support is a plugin package (jax-cuda12-plugin, ...)
+    except ImportError:
+        return None
+    if not any("cuda" in plugin.name for plugin in pkgutil.iter_modules(jax_plugins.__path__)):
+        return None
+    gpus = environments.visible_gpus(environ)
+    if gpus == 0:
+        return None
+    if environment.local_size > gpus:
+        raise KerasDistError(
+            f"{environment.local_size} JAX processes share {gpus} GPU{'s' if gpus > 1 else ''} on "
+            f"{socket.gethostname()}, and NCCL needs a GPU of its own for each; start at most {gpus} per machine "
+            f"(one process drives all of a machine's GPUs: `keras-dist launch --backend jax -n {gpus}`), "
+            "or set JAX_PLATFORMS=cpu")
+    each = gpus // environment.local_size
+    return list(range(environment.local_rank * each, (environment.local_rank + 1) * each))
 
 
 def _coordination_client():
@@ -238,6 +271,7 @@ class JaxDataParallelStrategy(Strategy):
         # Variables made before keras_dist started (the script built its model first)
         # live on one device; the step needs them replicated over the global mesh.
         _replicate(model.variables)
+        keras_workarounds_jax.metric_resets_keep_their_layout(model, _replicate)
         return model
 
     def run_loop(self, method: str, model: keras.Model, keras_method: Callable[..., Any], arguments: dict) -> Any:

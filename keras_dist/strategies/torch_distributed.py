@@ -8,7 +8,7 @@ during the backward pass, as soon as its gradients are ready (`OverlappedGradien
 Metric states are summed across processes at each epoch's end (and in
 every step where a callback reads batch logs), and the chief's initial state is
 broadcast to all, as on Horovod. torch.distributed uses gloo on CPUs and NCCL on GPUs
-(each process then drives the GPU of its local rank); both collective fronts are thin
+(each process then drives the GPU of its local rank; gloo where processes outnumber GPUs); both collective fronts are thin
 classes in `keras_dist.collectives`, and everything here is shared.
 
 Launch: `keras-dist launch --backend torch -n 2 train.py` (the default under
@@ -18,7 +18,7 @@ train.py`, or any launcher whose cluster environment names a coordinator (`srun`
 """
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_dist import keras_workarounds_torch, runtime, settings
@@ -53,6 +53,11 @@ class TorchDistributedStrategy(Strategy):
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
         return detected.size > 1
 
+    @classmethod
+    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
+        # At import, before the script builds its model: Keras puts variables on the current GPU.
+        _take_local_gpu(environment)
+
     def __init__(self, environment: ClusterEnvironment | None = None):
         import keras
 
@@ -68,8 +73,7 @@ class TorchDistributedStrategy(Strategy):
         if environment.local_size > 1 and "OMP_NUM_THREADS" not in settings.environ():
             # Processes sharing this machine would each size a thread pool for all of it.
             torch.set_num_threads(environment.threads_per_process)
-        if torch.cuda.is_available() and environment.size > 1:
-            torch.cuda.set_device(environment.local_rank % torch.cuda.device_count())
+        _take_local_gpu(environment)  # again: `keras_dist.init(backend="torch")` chose this strategy after import
         self.collectives = _collectives(torch, environment)
         self.in_train_step = False  # gradient hooks start collectives only inside train steps
         # id(optimizer) -> its OverlappedGradients. Dropped at each compile, on every process
@@ -176,6 +180,15 @@ class TorchDistributedStrategy(Strategy):
         # no overlap (loss scaling, gradient accumulation, or a step without backward).
         return {**super().describe(),
                 "buckets_started_in_backward": sum(o.started_in_backward for o in self._overlapped.values())}
+
+
+def _take_local_gpu(environment: ClusterEnvironment) -> None:
+    """Makes the GPU of this process's local rank the current one, where GPUs are visible;
+    processes that outnumber the GPUs share them in turn (`TorchDistributed` then uses gloo)."""
+    import torch
+
+    if environment.size > 1 and torch.cuda.is_available():
+        torch.cuda.set_device(environment.local_rank % torch.cuda.device_count())
 
 
 def _collectives(torch, environment):
