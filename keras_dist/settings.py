@@ -91,7 +91,9 @@ VARIABLES = (
     Variable("LD_PRELOAD", "framework", "libraries", "adds _bind_address.so in local TensorFlow clusters",
              "keeps a local cluster's TensorFlow servers on loopback"),
     Variable("CUDA_VISIBLE_DEVICES", "framework", "GPU list", "unchanged",
-             "read by the mirrored backend to count the GPUs it mirrors over"),
+             "counted: the GPUs the mirrored backend mirrors over, and those JAX and PyTorch processes share"),
+    Variable("JAX_PLATFORMS", "framework", "platforms", "unchanged",
+             "read: without cuda or gpu in it, JAX processes take no GPUs"),
     Variable("SLURM_JOB_ID", "framework", "id", "none",
              "read to requeue the job after a SIGUSR1 (`scontrol requeue`)"),
 )

@@ -44,8 +44,12 @@ def tf_config(kind, index):
     # keras.distribution.initialize's variables (JAX's coordinator)
     ({"KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.1:1234,10.0.0.2:1234", "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
       "KERAS_DISTRIBUTION_PROCESS_ID": "1"}, ("keras_distribution", 1, 2, 0, 1, "10.0.0.1:1234")),
+    # ... with the place on its machine that `keras-dist launch` adds (which GPUs a process takes)
+    ({"KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.1:1234", "KERAS_DISTRIBUTION_NUM_PROCESSES": "4",
+      "KERAS_DISTRIBUTION_PROCESS_ID": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+     ("keras_distribution", 3, 4, 1, 2, "10.0.0.1:1234")),
 ], ids=["none", "horovodrun", "openmpi", "mpich", "mpirun-master-addr", "horovodrun-keras-addresses", "tf-chief", "tf-worker0", "tf-worker1", "tf-ps", "torchrun",
-        "srun", "srun-port", "keras-distribution"])
+        "srun", "srun-port", "keras-distribution", "keras-distribution-local"])
 def test_each_launcher_is_detected_and_read(environ, expected):
     env = environments.detect(environ)
     assert (env.name, env.rank, env.size, env.local_rank, env.local_size, env.coordinator) == expected
@@ -77,3 +81,17 @@ def test_bad_launcher_variables_are_a_one_line_error(environ, fix):
     with pytest.raises(KerasDistError, match=fix) as error:
         environments.detect(environ)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("listed, count", [("0,1", 2), ("", 0), ("-1", 0), ("0,-1,2", 1), ("GPU-77c0215f", 1)])
+def test_visible_gpus_count_as_cuda_reads_its_list(listed, count):
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: up to the first invalid entry; "" and -1 hide all."""
+    assert environments.visible_gpus({"CUDA_VISIBLE_DEVICES": listed}) == count
+
+
+def test_the_local_launcher_tells_jax_processes_their_place_on_the_machine():
+    from keras_dist.launchers.keras_distribution import KerasDistributionLauncher
+
+    tasks = KerasDistributionLauncher().tasks(3, 0, ["train.py"], None)
+    places = [environments.detect(task.env) for task in tasks]
+    assert [(p.rank, p.size, p.local_rank, p.local_size) for p in places] == [(i, 3, i, 3) for i in range(3)]

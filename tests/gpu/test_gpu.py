@@ -147,3 +147,6 @@ def test_nccl_refuses_two_processes_on_one_gpu(tmp_path, engine):
     except pytest.fail.Exception:  # run_many fails the test on its timeout, after killing both
         return
     assert not all(code == 0 and "SUMMED" in output for code, output in outcomes), outcomes
+    # Refused by NCCL or the GPU client, not by a broken probe.
+    assert not any(error in output for _, output in outcomes
+                   for error in ("SyntaxError", "NameError", "ModuleNotFoundError", "TypeError")), outcomes
