@@ -1,5 +1,7 @@
 """The exception types keras_dist raises: bad input or a bad environment, and a peer that stopped."""
 
+import os
+import sys
 from collections.abc import Sequence
 
 
@@ -26,11 +28,45 @@ class PeerFailure(KerasDistError):
             None where the engine saw the connection close.
         fix: what to do about it.
         cause: what the engine said, where it adds something (its first line is kept).
+        exited: the process is known to have ended (its connection closed, its port refuses):
+            its own output says why, and no timeout is to blame.
     """
 
-    def __init__(self, stopped: Sequence[str], within: str | None, fix: str, cause: str | None = None):
+    def __init__(self, stopped: Sequence[str], within: str | None, fix: str, cause: str | None = None,
+                 exited: bool = False):
         self.stopped = list(stopped)
         who = ", ".join(self.stopped) or "a peer"
         said = f" ({cause.strip().splitlines()[0]})" if cause and cause.strip() else ""
+        if exited:
+            super().__init__(f"{who} exited{said}; its own output says why; {fix}")
+            return
         waited = f" within {within}" if within else ""
         super().__init__(f"{who} stopped answering{waited}{said}: its machine froze, lost its network or ended; {fix}")
+
+
+def uncaught_errors_in_one_line() -> None:
+    """Makes an uncaught `KerasDistError` print its one line, without the traceback above it.
+
+    For the processes of a job, whose outputs a launcher interleaves: the line says what
+    failed and the fix, and a traceback per process buried it (81 lines for a full disk).
+    The process then ends at once, as a failed `notebook_launcher` task does: the exit
+    handlers of the engines (JAX's shutdown barrier, a process group's teardown) wait for
+    peers that are still inside a step, and JAX's ends in a C++ abort of 50 lines. A
+    backup being written is left as a partial file, which the next start removes; the
+    committed one is untouched. Other exceptions print and exit as before (through the
+    hook already set; engines that set theirs later, as torch.distributed does, wrap this
+    one). `KERAS_DIST_LOG=debug` keeps tracebacks and exit handlers.
+    """
+    previous = sys.excepthook
+
+    def print_one_line(kind, value, traceback):
+        if not issubclass(kind, KerasDistError):
+            previous(kind, value, traceback)
+            return
+        # The process's own stderr: a wrapping hook would print what it captured only after this returns.
+        sys.stdout.flush()
+        sys.__stderr__.write(f"{kind.__module__}.{kind.__qualname__}: {value}\n")
+        sys.__stderr__.flush()
+        os._exit(1)
+
+    sys.excepthook = print_one_line

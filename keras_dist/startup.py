@@ -47,7 +47,7 @@ def start() -> None:
     """The start-up effects of `import keras_dist` (see the module docstring)."""
     if is_the_cli():
         return
-    from keras_dist import console, network, runtime, settings, strategies
+    from keras_dist import console, errors, network, runtime, settings, strategies
     from keras_dist.launchers import processes
 
     environ = settings.environ()
@@ -58,6 +58,8 @@ def start() -> None:
     if environment.size > 1:
         facts.job_address = network.choose_interface(environ, environment.coordinator or
                                                      getattr(environment, "store", None))
+    if environment.size > 1 and not settings.current().debug_log:
+        errors.uncaught_errors_in_one_line()
     strategy = strategies.strategy_class(facts.backend)
     strategy.prepare_process(environ, environment)
     processes.watch_launcher(environ)

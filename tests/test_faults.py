@@ -232,3 +232,36 @@ def test_a_peer_that_never_connects_ends_the_process_group_start_in_one_line(tmp
     assert code != 0 and len(errors) == 1, out[-3000:]
     assert "advertising 127.0.0.1" in errors[0] and "GLOO_SOCKET_IFNAME" in errors[0], errors[0]
     assert time.monotonic() - started < 5 + 60  # start-up itself takes seconds
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.2 MB tmpfs (room for one backup and a bit), unmounted afterwards; needs root."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", disk], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", disk], capture_output=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "horovod", "jax"])
+def test_a_full_disk_ends_the_job_in_one_line_and_the_rerun_resumes_once_there_is_room(small_disk, backend):
+    """The chief's second backup does not fit: it ends in one line naming the path, the errno
+    and the fix (82 lines before, on PyTorch), removes its partial files and keeps the
+    committed backup; once the disk has room, the same command resumes from it."""
+    command = [BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, WORKERS / "disk_full.py", small_disk / "backup"]
+    code, out = run(command, timeout=200)
+    assert code != 0, out[-3000:]
+    chief = [line for line in out.splitlines() if "KerasDistError: cannot write" in line]
+    assert len(chief) == 1 and "No space left on device (errno 28)" in chief[0], out[-3000:]
+    assert str(small_disk / "backup" / "latest.weights.h5") in chief[0] and "free space in" in chief[0]
+    assert not any("Traceback" in line for line in out.splitlines() if line.startswith("[rank:0]")), out[-3000:]
+    if backend == "torch":  # the peer's line says the chief exited; nothing else (JAX's own abort: docs/fault-tolerance.md)
+        assert len(out.strip().splitlines()) <= 4 and "rank 0 (the job's coordinator" in out and " exited (" in out, out
+    assert sorted(os.listdir(small_disk / "backup")) == ["latest.weights.h5", "training_metadata.json"]
+    subprocess.run(["mount", "-o", "remount,size=8m", small_disk], check=True)
+    code, out = run(command, timeout=200)
+    assert code == 0 and "fit resumes in epoch" in out and out.count("trained") == 2, out[-3000:]

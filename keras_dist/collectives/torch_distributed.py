@@ -152,17 +152,39 @@ class TorchDistributed(TorchTensors):
         that have not after `PEERS_SECONDS` stopped (a frozen or lost machine). The store
         itself not answering means the coordinator's machine stopped.
         """
+        cause = first_line(error)
+        # keras_dist's own process group: rank 0 serves the store, whose port closes when it
+        # exits (then asking the store would print torch's C++ stack trace). Rank 0 may
+        # still be ending when the collective fails: looked at again after the wait.
+        exited = PeerFailure([f"rank 0 (the job's coordinator at {self._coordinator})"], None,
+                             "run the same command again to resume from the last backup", cause=cause, exited=True)
+        if self._coordinator_is_gone():
+            return exited
         store = self._store
         store.set_timeout(datetime.timedelta(seconds=PEERS_SECONDS))
         try:
             store.set(f"keras_dist/failed/{self.rank}", "1")
             time.sleep(PEERS_SECONDS)
+            if self._coordinator_is_gone():
+                return exited
             silent = [r for r in range(self.size) if not store.check([f"keras_dist/failed/{r}"])]
             stopped = [f"rank {r} on {store.get(f'keras_dist/host/{r}').decode()}" for r in silent]
         except RuntimeError:
             stopped = [f"the job's coordinator at {self._coordinator}"]
         return PeerFailure(stopped, f"{self.timeout:g} s", f"or raise {timeouts.STEP_TIMEOUT_VAR} if a step or the "
-                           "chief's own work between steps takes that long", cause=first_line(error))
+                           "chief's own work between steps takes that long", cause=cause)
+
+    def _coordinator_is_gone(self) -> bool:
+        """Whether the coordinator's machine refuses connections to its port: the process
+        ended. A machine that does not answer at all (frozen, cut off) is not known to have."""
+        host, port = self._coordinator.rsplit(":", 1)
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=PEERS_SECONDS).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
 
     def min(self, tensor: Any) -> Any:
         self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN)

@@ -9,13 +9,17 @@ a `BackupAndRestore`'s `on_train_end`). A backup's weights are written in the ba
 (`keras_dist.fault_tolerance.background_writes`).
 """
 
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
+from collections.abc import Iterator
 
 import keras
 
+from keras_dist.errors import KerasDistError
 from keras_dist.fault_tolerance.background_writes import BackgroundWrite, WeightsSnapshot
 from keras_dist.fault_tolerance.resume import METADATA_KEY
 from keras_dist.overrides import methods_while, override
@@ -24,6 +28,7 @@ logger = logging.getLogger("keras_dist")
 
 _PARTIAL = ".keras_dist-partial-"
 _STAGED = ".keras_dist-staged"
+BACKUP_OPTION = "BackupAndRestore's backup_dir (keras-dist launch --backup-dir)"
 
 
 def make_writes_atomic(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
@@ -54,7 +59,8 @@ def _atomic_checkpoint(callback):
         def to_partial_file(keras_method):
             def save(filepath, *args, **kwargs):
                 final = os.fspath(filepath)
-                keras_method(_partial(final), *args, **kwargs)
+                with _failed_writes_end_in_one_line(final, [_partial(final)], "ModelCheckpoint's filepath"):
+                    keras_method(_partial(final), *args, **kwargs)
                 written.append(final)
             return save
 
@@ -83,19 +89,20 @@ def _atomic_backup(callback):
                 os.remove(partial)
         for name, partial in zip(names, partials):
             setattr(callback, name, partial)
-        try:
-            model = callback.model
-            with methods_while(model, {"save_weights": lambda *args, **kwargs: snapshot.take(model)}):
-                keras_save()
-        finally:
-            for name, final in zip(names, finals):
-                setattr(callback, name, final)
-        add_metadata = getattr(callback, "_keras_dist_metadata", None)  # `resume.ResumePoint`: the position
-        if add_metadata is not None:
-            with open(partials[1]) as f:
-                metadata = json.load(f)
-            with open(partials[1], "w") as f:
-                json.dump({**metadata, METADATA_KEY: add_metadata()}, f)
+        with _failed_writes_end_in_one_line(finals[0], partials, BACKUP_OPTION):
+            try:
+                model = callback.model
+                with methods_while(model, {"save_weights": lambda *args, **kwargs: snapshot.take(model)}):
+                    keras_save()  # writes the metadata to its partial name
+            finally:
+                for name, final in zip(names, finals):
+                    setattr(callback, name, final)
+            add_metadata = getattr(callback, "_keras_dist_metadata", None)  # `resume.ResumePoint`: the position
+            if add_metadata is not None:
+                with open(partials[1]) as f:
+                    metadata = json.load(f)
+                with open(partials[1], "w") as f:
+                    json.dump({**metadata, METADATA_KEY: add_metadata()}, f)
         # Keras >= 3.9 copies the latest state to its `.bkp` names first (here in the
         # commit, where the latest state is complete on disk).
         previous = ((callback._prev_weights_path, callback._prev_training_metadata_path)
@@ -128,19 +135,48 @@ def _atomic_backup(callback):
 
 def _commit(snapshot, partials, finals, previous):
     """Writes the weights from host memory and commits the backup (in the writing thread)."""
-    for final, backup in zip(finals, previous):
-        if os.path.exists(final):
-            shutil.copyfile(final, _partial(backup))
-            publish(_partial(backup), backup)
-    snapshot.write(partials[0])
-    # Weights and metadata are one state, committed in three renames: the metadata is
-    # staged, the weights replaced, then the staged metadata put in place. A crash
-    # between the last two leaves new weights beside old metadata, which would train an
-    # epoch twice; `_finish_interrupted_commit` completes that commit on the rerun.
     (partial_weights, partial_metadata), (weights, metadata) = partials, finals
-    publish(partial_metadata, metadata + _STAGED)
+    # Everything up to the staged metadata can fail (a full disk) and leave the committed backup as it was.
+    with _failed_writes_end_in_one_line(weights, [*partials, *(_partial(b) for b in previous), metadata + _STAGED],
+                                        BACKUP_OPTION):
+        for final, backup in zip(finals, previous):
+            if os.path.exists(final):
+                shutil.copyfile(final, _partial(backup))
+                publish(_partial(backup), backup)
+        snapshot.write(partial_weights)
+        # Weights and metadata are one state, committed in three renames: the metadata is
+        # staged, the weights replaced, then the staged metadata put in place. A crash
+        # between the last two leaves new weights beside old metadata, which would train an
+        # epoch twice; `_finish_interrupted_commit` completes that commit on the rerun.
+        publish(partial_metadata, metadata + _STAGED)
     publish(partial_weights, weights)
     publish(metadata + _STAGED, metadata)
+
+
+@contextlib.contextmanager
+def _failed_writes_end_in_one_line(path: str, partials: list[str], option: str) -> Iterator[None]:
+    """Turns a failed write (a full disk, a read-only or removed directory) into one line that
+    names `path`, the errno and the fix, after removing the `partials`, which would fill the
+    disk again at the next attempt. The committed file, if any, is left as it was."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:  # h5py reports a failed write as a RuntimeError naming the errno
+        number = exc.errno if isinstance(exc, OSError) and exc.errno else _errno_in(str(exc))
+        if number is None:
+            raise
+        for partial in partials:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+        kept = "the last committed one is kept" if os.path.exists(path) else "nothing was committed there yet"
+        raise KerasDistError(
+            f"cannot write {path}: {os.strerror(number)} (errno {number}); partial files removed, {kept}; free space "
+            f"in {os.path.dirname(os.path.abspath(path))} or make it writable, or choose another {option}, "
+            "then run the same command again") from None
+
+
+def _errno_in(message: str) -> int | None:
+    found = re.search(r"errno = (\d+)", message)
+    return int(found.group(1)) if found else None
 
 
 def _finish_interrupted_commit(weights, metadata):
