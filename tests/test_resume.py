@@ -142,8 +142,8 @@ def test_backups_do_not_change_training(tmp_path, references, configuration, bac
 def test_callback_state_survives_a_restart(tmp_path, configuration, backend):
     """ModelCheckpoint's best value and a script callback's own state (`get_state`/`set_state`)
     are part of the backup: a job killed in its last epoch, after its best one, keeps the
-    best checkpoint (before, the first epoch after the restart overwrote it) and the count,
-    and ends as the uninterrupted run (issue 44 item 2)."""
+    best checkpoint (before, the first epoch after the restart overwrote it), the count and
+    its CSVLogger's rows, and ends as the uninterrupted run (issue 44 item 2)."""
     reference = tmp_path / "reference"
     reference.mkdir()
     code, out = runner.run(command(configuration, [WORKER, reference, "arrays", "--callback-state"]), 240,
@@ -153,6 +153,14 @@ def test_callback_state_survives_a_restart(tmp_path, configuration, backend):
     run_killed_and_rerun(killed, configuration, backend, ["arrays", "--callback-state", "--kill-at", 30])
     assert_resumed_exactly(reference, killed)
     assert int(np.load(killed / "result.npz")["epochs_seen"]) == EPOCHS
+    # The CSVLogger's file goes on across the restart (before, the rerun started it again).
+    expected, resumed = ((d / "log.csv").read_text().splitlines() for d in (reference, killed))
+    assert len(resumed) == len(expected) == EPOCHS + 1 and resumed[0] == expected[0], (resumed, expected)
+    # Accuracy too: under Horovod Keras builds it in the first step, after the restore
+    # (before, the resumed epoch counted only the steps after the restart: 0.875 for 0.823).
+    for got, want in zip(resumed[1:], expected[1:]):
+        for a, b in zip(got.split(","), want.split(",")):
+            assert a == b or abs(float(a) - float(b)) < 1e-6, (resumed, expected)
 
 
 @pytest.mark.parametrize("backend, data, notice_to, extra", [

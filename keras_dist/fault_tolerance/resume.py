@@ -21,6 +21,7 @@ start there without reading what came before (`EpochPosition.sources_skip`); oth
 """
 
 import contextlib
+import csv
 import dataclasses
 import json
 import logging
@@ -116,6 +117,22 @@ class FollowEpochs(keras.callbacks.Callback):
         super().__init__()
         self.position = position
 
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        # Before the script's callbacks open their files (this callback is first): a
+        # CSVLogger resumed goes on with its file, cut back to the epochs the backup holds,
+        # where Keras's would start it again and lose the epochs before the restart.
+        state = _read_metadata(self.backup) if self.strategy.is_chief and self.csv_logs else None
+        self._csv_appends = [c.append for c in self.csv_logs]
+        if state is not None:
+            for csv_log in self.csv_logs:
+                _keep_epochs_before(csv_log.filename, state["epoch"], csv_log.sep)
+                csv_log.append = True
+
+    def script_callbacks_began(self) -> None:
+        """After the script's callbacks' `on_train_begin`: their settings as the script made them."""
+        for csv_log, append in zip(self.csv_logs, self._csv_appends):
+            csv_log.append = append
+
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.position.epoch = epoch
 
@@ -178,6 +195,8 @@ class ResumePoint(keras.callbacks.Callback):
         self.notice = notice
         notice.saved_in = backup.backup_dir
         self.counting = _counting_callbacks(callbacks)
+        self.csv_logs = [c for c in callbacks if isinstance(c, keras.callbacks.CSVLogger)]
+        self._csv_appends: list[bool] = []
         self._restored_metrics: list | None = None
         self._restored_random: dict | None = None
         self._save_at_epoch_end = False
@@ -239,15 +258,33 @@ class ResumePoint(keras.callbacks.Callback):
             logger.info("keras_dist: fit resumes in epoch %s after step %s, from %s", epoch + 1, steps,
                         self.backup.backup_dir)
 
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        # Before the script's callbacks open their files (this callback is first): a
+        # CSVLogger resumed goes on with its file, cut back to the epochs the backup holds,
+        # where Keras's would start it again and lose the epochs before the restart.
+        state = _read_metadata(self.backup) if self.strategy.is_chief and self.csv_logs else None
+        self._csv_appends = [c.append for c in self.csv_logs]
+        if state is not None:
+            for csv_log in self.csv_logs:
+                _keep_epochs_before(csv_log.filename, state["epoch"], csv_log.sep)
+                csv_log.append = True
+
+    def script_callbacks_began(self) -> None:
+        """After the script's callbacks' `on_train_begin`: their settings as the script made them."""
+        for csv_log, append in zip(self.csv_logs, self._csv_appends):
+            csv_log.append = append
+
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.position.epoch = epoch
         self._last_step = self.position.first_step(epoch) - 1
         if epoch != self.position.resume_epoch:
             return
-        if self._restored_metrics is not None:
-            variables = [v for m in self.model.metrics for v in m.variables]
+        variables = [v for m in self.model.metrics for v in m.variables]
+        if self._restored_metrics is not None and len(variables) == len(self._restored_metrics):
             self.strategy.assign_metric_states(variables, [np.asarray(a) for a in self._restored_metrics])
             self._restored_metrics = None
+        # Else Keras builds the compiled metrics in the first step (TensorFlow without a
+        # tf.distribute strategy, as under Horovod): they are restored after it.
         if self._restored_random is not None and not self.position.skip:
             # Saved at an epoch's end: Keras then makes the next epoch's input iterator (a
             # torch DataLoader draws its base seed from torch's state) after this point.
@@ -261,7 +298,23 @@ class ResumePoint(keras.callbacks.Callback):
             self._restored_random = None
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._restored_metrics is not None:
+            self._add_restored_metrics()
         self.due(batch)  # the backup, later among the callbacks, saves where this is True
+
+    def _add_restored_metrics(self) -> None:
+        """Adds the restored metric states to those of the resumed epoch's first step, which
+        built them (the chief holds the restored part, as `assign_metric_states` has it).
+        Exact for states that sum (totals, counts, confusion counts: every metric Keras
+        compiles by name)."""
+        variables = [v for m in self.model.metrics for v in m.variables]
+        if len(variables) != len(self._restored_metrics):
+            raise KerasDistError(f"the backup in {self.backup.backup_dir} holds {len(self._restored_metrics)} metric "
+                                 f"states and the model has {len(variables)}; resume with the metrics it was saved with")
+        if self.strategy.is_chief:
+            for variable, restored in zip(variables, self._restored_metrics):
+                variable.assign(keras.ops.convert_to_numpy(variable.value) + np.asarray(restored))
+        self._restored_metrics = None
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         # After keras_dist's replica check (which averages BatchNormalization statistics),
@@ -334,6 +387,7 @@ class _AfterScriptCallbacks(keras.callbacks.Callback):
         self.resume_point = resume_point
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        self.resume_point.script_callbacks_began()
         self.resume_point.restore_position()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -347,6 +401,20 @@ def _read_metadata(backup: keras.callbacks.BackupAndRestore) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f).get(METADATA_KEY)
+
+
+def _keep_epochs_before(path: str, epoch: int, separator: str) -> None:
+    """Cuts a CSVLogger's file back to its header and the rows of epochs before `epoch`
+    (replaced whole, as keras_dist writes checkpoints)."""
+    if not os.path.exists(path):
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f, delimiter=separator))
+    kept = rows[:1] + [row for row in rows[1:] if row and row[0].isdigit() and int(row[0]) < epoch]
+    partial = f"{path}.keras_dist-partial"
+    with open(partial, "w", newline="") as f:
+        csv.writer(f, delimiter=separator).writerows(kept)
+    os.replace(partial, path)
 
 
 def _keeps_own_state(callback: Any) -> bool:

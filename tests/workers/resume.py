@@ -21,7 +21,8 @@ that step instead, to the launcher or to itself, and writes the time to OUT_DIR/
 sample ids it trains to OUT_DIR/samples.ATTEMPT.RANK, a line `epoch step id id ...` a step.
 With --callback-state, a `ModelCheckpoint(save_best_only=True)` whose monitor gets worse
 (the loss, mode "max": its best is the first epoch) writes OUT_DIR/best.weights.h5, and a
-callback of the script's keeps its own state (`get_state`/`set_state`: the epochs it saw);
+callback of the script's keeps its own state (`get_state`/`set_state`: the epochs it saw),
+and a `CSVLogger` writes OUT_DIR/log.csv;
 result.npz also holds the best checkpoint's weights (`best_*`) and that count.
 """
 
@@ -185,7 +186,8 @@ seen = EpochsSeen()
 best_path = os.path.join(args.out, "best.weights.h5")
 if args.callback_state:
     callbacks += [keras.callbacks.ModelCheckpoint(best_path, monitor="loss", mode="max", save_best_only=True,
-                                                  save_weights_only=True), seen]
+                                                  save_weights_only=True), seen,
+                  keras.callbacks.CSVLogger(os.path.join(args.out, "log.csv"))]
 history = model.fit(**make_input(), batch_size=None if args.input in ("tf_data", "py_dataset", "data_loader")
                     else batch_size, epochs=3, verbose=0, callbacks=callbacks)
 final = [np.asarray(w) for w in model.get_weights()]
