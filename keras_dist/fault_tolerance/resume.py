@@ -117,22 +117,6 @@ class FollowEpochs(keras.callbacks.Callback):
         super().__init__()
         self.position = position
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        # Before the script's callbacks open their files (this callback is first): a
-        # CSVLogger resumed goes on with its file, cut back to the epochs the backup holds,
-        # where Keras's would start it again and lose the epochs before the restart.
-        state = _read_metadata(self.backup) if self.strategy.is_chief and self.csv_logs else None
-        self._csv_appends = [c.append for c in self.csv_logs]
-        if state is not None:
-            for csv_log in self.csv_logs:
-                _keep_epochs_before(csv_log.filename, state["epoch"], csv_log.sep)
-                csv_log.append = True
-
-    def script_callbacks_began(self) -> None:
-        """After the script's callbacks' `on_train_begin`: their settings as the script made them."""
-        for csv_log, append in zip(self.csv_logs, self._csv_appends):
-            csv_log.append = append
-
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.position.epoch = epoch
 
