@@ -5,6 +5,10 @@
 MODE:
   plain        Keras `fit` in one process
   keras_dist   the two-line change, on the backend the launcher implies (jax or torch)
+  keras_native Keras's own data parallelism, without keras_dist, each process fitting its
+               interleaved share: on JAX `keras.distribution.initialize()` and `DataParallel`;
+               on PyTorch (Keras >= 3.16) a gloo process group, which makes Keras wrap the
+               model in DistributedDataParallel (keras-team/keras#23316)
   handwritten  that framework's own data-parallel loop, without Keras's trainer: for JAX
                a jitted step whose batch is sharded over every process's devices (XLA
                all-reduces the gradients); for PyTorch a `torch.nn` model under DistributedDataParallel,
@@ -25,7 +29,7 @@ import os
 import sys
 
 parser = argparse.ArgumentParser()
-parser.add_argument("mode", choices=["plain", "keras_dist", "handwritten"])
+parser.add_argument("mode", choices=["plain", "keras_dist", "keras_native", "handwritten"])
 parser.add_argument("model", choices=["mlp", "cnn"])
 parser.add_argument("--window", type=float, required=True)
 parser.add_argument("--windows", type=int, required=True)
@@ -70,7 +74,9 @@ def keras_model():
     return keras.Sequential([keras.Input(SHAPE), *hidden])
 
 
-def keras_run(rank, size, windows, compile_model):
+def keras_run(rank, size, windows, compile_model, own_share=False):
+    """`fit` until `windows` close; `own_share`: this process fits rows rank::size itself
+    (Keras's native data parallelism), else all rows (keras_dist shards them)."""
     import keras
 
     class Measure(keras.callbacks.Callback):
@@ -83,8 +89,32 @@ def keras_run(rank, size, windows, compile_model):
     compile_model(model, optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = arrays(STEPS * BATCH * size)
+    if own_share:
+        x, y = x[rank::size], y[rank::size]
     model.fit(x, y, batch_size=BATCH, epochs=100000, shuffle=False, verbose=0, callbacks=[Measure()])
     return model.count_params()
+
+
+def keras_native(windows_for):
+    import keras
+
+    if BACKEND == "jax":
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        keras.distribution.initialize()  # the KERAS_DISTRIBUTION_* variables keras_dist's launcher sets
+        keras.distribution.set_distribution(keras.distribution.DataParallel(auto_shard_dataset=False))
+        rank, size = jax.process_index(), jax.process_count()
+    else:
+        if tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 16):
+            raise SystemExit(f"Keras {keras.__version__} has no data parallelism of its own on PyTorch (3.16 has)")
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # torchrun's variables: Keras then wraps the model in DDP
+        rank, size = dist.get_rank(), dist.get_world_size()
+    windows = windows_for(rank)
+    params = keras_run(rank, size, windows, lambda model, **kw: model.compile(**kw), own_share=True)
+    return windows, rank, size, params
 
 
 def jax_handwritten(windows_for):
@@ -197,6 +227,8 @@ def main():
 
     if args.mode == "handwritten":
         windows, rank, size, params = (jax_handwritten if BACKEND == "jax" else torch_handwritten)(windows_for)
+    elif args.mode == "keras_native":
+        windows, rank, size, params = keras_native(windows_for)
     elif args.mode == "plain":
         rank, size, windows = 0, 1, windows_for(0)
         params = keras_run(0, 1, windows, lambda model, **kw: model.compile(**kw))

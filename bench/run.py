@@ -70,6 +70,8 @@ jpeg_small and jpeg_cnn run (fit over the whole dataset each epoch):
 jax_mlp and torch_mlp run, 1 thread per process:
   plain_1             Keras `fit` on that backend, 1 process
   keras_dist_2        the two-line change, 2 processes (keras_dist's jax or torch launcher)
+  keras_native_2      Keras's own data parallelism, 2 processes (JAX: DataParallel; PyTorch:
+                      the DDP wrap of Keras >= 3.16), each fitting its share
   handwritten_2       that framework's own loop, 2 processes: a jitted JAX step over a mesh
                       of both processes' devices, or a torch.nn model under DDP
   keras_dist_hvd_2    torch_mlp only: the two-line change under horovodrun -np 2 (Horovod's
@@ -135,7 +137,9 @@ def launch(model, config, args):
     """
     threads = config.threads or args.threads
     with tempfile.TemporaryDirectory(prefix="keras_dist_bench_") as sync_dir:
-        argv = [str(HERE / config.worker), config.mode, model, "--window", str(args.window),
+        # backend_worker.py takes the network alone (jax_mlp -> mlp): its backend is KERAS_BACKEND.
+        network = model.split("_", 1)[1] if config.worker == "backend_worker.py" else model
+        argv = [str(HERE / config.worker), config.mode, network, "--window", str(args.window),
                 "--windows", str(args.windows), "--sync", sync_dir, "--data", args.data_dir]
         if config.launcher is None:
             commands = [([PYTHON, *argv], {}, False)]
@@ -235,6 +239,7 @@ CONFIGS = {
         Config("plain_1", "plain", env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
         Config("keras_dist_2", "keras_dist", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
         Config("handwritten_2", "handwritten", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
+        Config("keras_native_2", "keras_native", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
     ] for backend in ("jax", "torch")},
 }
 CONFIGS["torch"] += [Config(name, mode, 2, "horovod", env={"KERAS_BACKEND": "torch"}, worker="backend_worker.py")
@@ -276,6 +281,8 @@ RATIOS = {
         ("cpu_keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2", CPU, None),
         ("keras_dist_2_vs_plain_1", "keras_dist_2", "plain_1", SPS, None),
         ("handwritten_2_vs_plain_1", "handwritten_2", "plain_1", SPS, None),
+        ("keras_dist_2_vs_keras_native_2", "keras_dist_2", "keras_native_2", SPS, None),
+        ("cpu_keras_dist_2_vs_keras_native_2", "keras_dist_2", "keras_native_2", CPU, None),
     ] for backend in ("jax", "torch")},
 }
 RATIOS["torch"] += [
