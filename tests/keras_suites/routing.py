@@ -13,11 +13,12 @@ import sys
 import threading
 
 import pytest
-from keras.src.trainers import trainer
 
 import keras_dist
+from keras_dist import keras_internals
 
-_keras_compile = trainer.Trainer.compile
+Trainer = keras_internals.trainer_mixin()  # `BaseTrainer` in Keras 3.16
+_keras_compile = Trainer.compile
 _inside = threading.local()
 routed = {"compiles": 0}
 
@@ -35,7 +36,7 @@ def _compile(self, *args, **kwargs):
 
 
 _compile.__doc__ = _keras_compile.__doc__
-trainer.Trainer.compile = _compile
+Trainer.compile = _compile
 
 
 def pytest_terminal_summary(terminalreporter):
