@@ -48,7 +48,7 @@ def uncaught_errors_in_one_line() -> None:
     """Makes an uncaught `KerasDistError` print its one line, without the traceback above it.
 
     For the processes of a job, whose outputs a launcher interleaves: the line says what
-    failed and the fix, and a traceback per process buried it (81 lines for a full disk).
+    failed and the fix, and a traceback per process buried it (about 80 lines for a full disk).
     The process then ends at once, as a failed `notebook_launcher` task does: the exit
     handlers of the engines (JAX's shutdown barrier, a process group's teardown) wait for
     peers that are still inside a step, and JAX's ends in a C++ abort of 50 lines. A

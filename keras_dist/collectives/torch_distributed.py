@@ -150,7 +150,8 @@ class TorchDistributed(TorchTensors):
 
         Each process that sees its collective fail notes so in the job's store; the ranks
         that have not after `PEERS_SECONDS` stopped (a frozen or lost machine). The store
-        itself not answering means the coordinator's machine stopped.
+        itself not answering means the coordinator's machine stopped; its port refusing
+        connections, that rank 0 (which serves it) exited.
         """
         cause = first_line(error)
         # keras_dist's own process group: rank 0 serves the store, whose port closes when it
@@ -175,15 +176,14 @@ class TorchDistributed(TorchTensors):
                            "chief's own work between steps takes that long", cause=cause)
 
     def _coordinator_is_gone(self) -> bool:
-        """Whether the coordinator's machine refuses connections to its port: the process
-        ended. A machine that does not answer at all (frozen, cut off) is not known to have."""
+        """Whether the coordinator's machine refuses connections to its port: the process ended."""
         host, port = self._coordinator.rsplit(":", 1)
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=PEERS_SECONDS).close()
         except ConnectionRefusedError:
             return True
-        except OSError:
-            return False
+        except OSError:  # no answer: frozen or cut off, not known to have ended
+            pass
         return False
 
     def min(self, tensor: Any) -> Any:
