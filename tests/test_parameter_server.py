@@ -327,6 +327,8 @@ def test_an_endless_dataset_is_preprocessed_by_the_workers_unless_it_runs_python
               for task in ("chief:0", "worker:0", "worker:1")}
     if ops == "tensorflow":
         assert counts["worker:0"] + counts["worker:1"] >= 40 * 4, counts
-        assert counts["chief:0"] <= 8, counts  # a batch (and what its iterator read ahead), to build the model
+        # A batch to build the model, and what its iterator read ahead: 2 batches alone, 3 in a
+        # loaded suite run; training's 40 batches would be 160.
+        assert counts["chief:0"] <= 16, counts
     else:
         assert counts["worker:0"] + counts["worker:1"] == 0 and counts["chief:0"] >= 40 * 4, counts
