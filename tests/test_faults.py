@@ -265,3 +265,62 @@ def test_a_full_disk_ends_the_job_in_one_line_and_the_rerun_resumes_once_there_i
     subprocess.run(["mount", "-o", "remount,size=8m", small_disk], check=True)
     code, out = run(command, timeout=200)
     assert code == 0 and "fit resumes in epoch" in out and out.count("trained") == 2, out[-3000:]
+
+
+BACKENDS = ["torch", "horovod", "jax"]
+
+
+def backends_for(ci_backend):
+    """The backends a disk row runs on: CI, one (the rows share the chief's code and rotate
+    backends); `KERAS_DIST_DISK_MATRIX=1`, all three."""
+    every = os.environ.get("KERAS_DIST_DISK_MATRIX") == "1"
+    return [pytest.param(b, marks=() if every or b == ci_backend else
+                         pytest.mark.skip(reason="KERAS_DIST_DISK_MATRIX=1 runs it")) for b in BACKENDS]
+
+
+def disk_job(backend, backup_dir, *args):
+    return [BIN / "keras-dist", "launch", "--backend", backend, "-n", 2, WORKERS / "disk_full.py", backup_dir, *args]
+
+
+@pytest.mark.parametrize("backend", backends_for("jax"))
+def test_a_read_only_backup_directory_ends_the_job_in_one_line(small_disk, backend):
+    (small_disk / "backup").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", small_disk], check=True)
+    code, out = run(disk_job(backend, small_disk / "backup"), timeout=200)
+    assert code != 0, out[-3000:]
+    chief = [line for line in out.splitlines() if "KerasDistError: cannot write" in line]
+    assert len(chief) == 1 and "Read-only file system (errno 30)" in chief[0], out[-3000:]
+    assert f"make {small_disk / 'backup'} writable" in chief[0], chief[0]
+    assert not any("Traceback" in line for line in out.splitlines() if line.startswith("[rank:0]")), out[-3000:]
+    subprocess.run(["mount", "-o", "remount,rw,size=8m", small_disk], check=True)
+    code, out = run(disk_job(backend, small_disk / "backup"), timeout=200)
+    assert code == 0 and out.count("trained") == 2, out[-3000:]
+
+
+@pytest.mark.parametrize("backend", backends_for("torch"))
+def test_a_backup_directory_removed_while_training_is_made_again(tmp_path, backend):
+    """Removed at step 15 of each epoch (a clean-up on the chief's machine): training goes on,
+    a backup being written into it is skipped with one warning, the next save makes it again."""
+    backup = tmp_path / "backup"
+    code, out = run(disk_job(backend, backup, "--remove-backup-dir-at", 15), timeout=200)
+    assert code == 0 and out.count("trained") == 2 and out.count("] removed ") == 3, out[-3000:]
+    assert "Traceback" not in out and "Error" not in out, out[-3000:]
+    assert sorted(os.listdir(backup)) == ["latest.weights.h5", "training_metadata.json"]
+
+
+@pytest.mark.parametrize("backend", backends_for("horovod"))
+def test_logs_on_a_full_disk_warn_once_each_and_training_goes_on(small_disk, tmp_path, backend):
+    """TensorBoard and CSVLogger on a full file system: one line each naming the path, the
+    errno and the fix, and the job trains to its end (Keras alone ends it with a traceback)."""
+    filler = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)  # the disk is full before training starts
+    with pytest.raises(OSError, match="No space left"):
+        while True:
+            os.write(filler, b"\0" * 4096)
+    os.close(filler)
+    code, out = run(disk_job(backend, tmp_path / "backup", "--logs", small_disk), timeout=200)
+    assert code == 0 and out.count("trained") == 2, out[-3000:]
+    for path in (small_disk / "log.csv", small_disk / "tensorboard"):
+        warnings = [line for line in out.splitlines() if f"cannot write {path}:" in line]
+        assert len(warnings) == 1 and "No space left on device (errno 28)" in warnings[0], out[-3000:]
+        assert "training goes on" in warnings[0], warnings[0]
+    assert "Traceback" not in out and "Exception ignored" not in out, out[-3000:]

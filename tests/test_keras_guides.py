@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(900)
 SCRIPT = WORKERS / "keras_guides.py"
 # Unseeded patterns first: a seeded one leaves the script seeded for the rest.
 UNSEEDED = ["unseeded_transfer_learning", "unseeded_dataloader_shuffled"]
-SEEDED = ["seeded_custom_train_step", "seeded_metric_objects", "seeded_second_model", "seeded_evaluate_unfitted",
+SEEDED = ["seeded_custom_train_step", "seeded_metric_objects", "seeded_sum_metrics", "seeded_second_model", "seeded_evaluate_unfitted",
           "seeded_dataloader", "seeded_structured_inputs", "seeded_generator",
           "seeded_fewer_samples_than_processes"]
 # Last: it seeds. Shuffled, so another order than one process's, but as much learned.

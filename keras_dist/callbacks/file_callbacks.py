@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import keras
 
-from keras_dist.fault_tolerance.atomic_writes import make_writes_atomic
+from keras_dist.fault_tolerance.atomic_writes import make_log_failures_warn, make_writes_atomic
 
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
@@ -65,7 +65,8 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
 
     Returns:
         A new list. On the chief, every callback, checkpoints written atomically
-        (`make_writes_atomic`). On other workers, those passed through `chief_only` are
+        (`make_writes_atomic`), logs that cannot be written warning once in a job of several processes
+        (`make_log_failures_warn`). On other workers, those passed through `chief_only` are
         left out, and Keras's file-writing callbacks dropped or, where the strategy's
         saves are collective (every worker must take part in a save), replaced by the
         strategy's stand-in (`Strategy.worker_file_callback`).
@@ -74,8 +75,10 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
         callbacks = callbacks.callbacks
     callbacks = list(callbacks or [])
     if strategy.is_chief:
-        return [strategy.chief_file_callback(make_writes_atomic(c)) if isinstance(c, FILE_WRITING_CALLBACKS) else c
-                for c in callbacks]
+        # One process keeps Keras's behaviour for logs: the script sees the error as without keras_dist.
+        guard_logs = make_log_failures_warn if strategy.size > 1 else (lambda c: c)
+        return [strategy.chief_file_callback(guard_logs(make_writes_atomic(c)))
+                if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks]
     kept = [strategy.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
             if c not in _CHIEF_ONLY]
     return [c for c in kept if c is not None]

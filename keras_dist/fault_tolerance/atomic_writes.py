@@ -10,6 +10,7 @@ a `BackupAndRestore`'s `on_train_end`). A backup's weights are written in the ba
 """
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -137,18 +138,25 @@ def _commit(snapshot, partials, finals, previous):
     """Writes the weights from host memory and commits the backup (in the writing thread)."""
     (partial_weights, partial_metadata), (weights, metadata) = partials, finals
     # Everything up to the staged metadata can fail (a full disk) and leave the committed backup as it was.
-    with _failed_writes_end_in_one_line(weights, [*partials, *(_partial(b) for b in previous), metadata + _STAGED],
-                                        BACKUP_OPTION):
-        for final, backup in zip(finals, previous):
-            if os.path.exists(final):
-                shutil.copyfile(final, _partial(backup))
-                publish(_partial(backup), backup)
-        snapshot.write(partial_weights)
-        # Weights and metadata are one state, committed in three renames: the metadata is
-        # staged, the weights replaced, then the staged metadata put in place. A crash
-        # between the last two leaves new weights beside old metadata, which would train an
-        # epoch twice; `_finish_interrupted_commit` completes that commit on the rerun.
-        publish(partial_metadata, metadata + _STAGED)
+    try:
+        with _failed_writes_end_in_one_line(weights, [*partials, *(_partial(b) for b in previous), metadata + _STAGED],
+                                            BACKUP_OPTION):
+            for final, backup in zip(finals, previous):
+                if os.path.exists(final):
+                    shutil.copyfile(final, _partial(backup))
+                    publish(_partial(backup), backup)
+            snapshot.write(partial_weights)
+            # Weights and metadata are one state, committed in three renames: the metadata is
+            # staged, the weights replaced, then the staged metadata put in place. A crash
+            # between the last two leaves new weights beside old metadata, which would train an
+            # epoch twice; `_finish_interrupted_commit` completes that commit on the rerun.
+            publish(partial_metadata, metadata + _STAGED)
+    except _RemovedWhileWriting:
+        # Removed under the job (a clean-up of /tmp): what it held is gone whatever we do,
+        # and Keras makes the directory again at its next save, so training goes on.
+        logger.warning("keras_dist: %s was removed while a backup was written into it; this backup is skipped, and "
+                       "the next one makes the directory again", os.path.dirname(os.path.abspath(weights)))
+        return
     publish(partial_weights, weights)
     publish(metadata + _STAGED, metadata)
 
@@ -168,15 +176,71 @@ def _failed_writes_end_in_one_line(path: str, partials: list[str], option: str) 
             with contextlib.suppress(OSError):
                 os.remove(partial)
         kept = "the last committed one is kept" if os.path.exists(path) else "nothing was committed there yet"
-        raise KerasDistError(
-            f"cannot write {path}: {os.strerror(number)} (errno {number}); partial files removed, {kept}; free space "
-            f"in {os.path.dirname(os.path.abspath(path))} or make it writable, or choose another {option}, "
-            "then run the same command again") from None
+        directory = os.path.dirname(os.path.abspath(path))
+        fix = (f"free space in {directory}" if number in (errno.ENOSPC, errno.EDQUOT)
+               else f"make {directory} writable" if number in (errno.EROFS, errno.EACCES, errno.EPERM)
+               else f"check {directory}")
+        # Keras makes the directory before each save, so a missing file or directory was removed under the write.
+        failure = _RemovedWhileWriting if number == errno.ENOENT else KerasDistError
+        raise failure(
+            f"cannot write {path}: {os.strerror(number)} (errno {number}); partial files removed, {kept}; {fix}, "
+            f"or choose another {option}, then run the same command again") from None
+
+
+class _RemovedWhileWriting(KerasDistError):
+    """A write found its file or directory removed (errno ENOENT) while it ran."""
 
 
 def _errno_in(message: str) -> int | None:
     found = re.search(r"errno = (\d+)", message)
-    return int(found.group(1)) if found else None
+    if found:
+        return int(found.group(1))
+    # TensorFlow's file errors give the system's text alone ("...; No space left on device").
+    return next((number for number in _FILE_SYSTEM_ERRNOS if os.strerror(number) in message), None)
+
+
+_FILE_SYSTEM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT)
+_LOG_WRITERS = (keras.callbacks.TensorBoard, keras.callbacks.CSVLogger)
+
+
+def make_log_failures_warn(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+    """Makes a `TensorBoard` or `CSVLogger` (else unchanged) that cannot write warn once and stop writing.
+
+    Logs are not the training: a full or read-only disk under them costs one line naming the
+    path, the errno and the fix, and training goes on without them. Backups and checkpoints,
+    which a restart needs, end the job instead (`make_writes_atomic`). Idempotent.
+    """
+    if not isinstance(callback, _LOG_WRITERS) or _LOG_GUARD in vars(callback):
+        return callback
+    path = callback.log_dir if isinstance(callback, keras.callbacks.TensorBoard) else callback.filename
+    failed = []
+
+    def guarded(keras_hook):
+        def hook(*args, **kwargs):
+            if failed:
+                return None
+            try:
+                return keras_hook(*args, **kwargs)
+            except Exception as exc:  # OSError, h5py's RuntimeError or TensorFlow's ResourceExhaustedError
+                number = exc.errno if isinstance(exc, OSError) and exc.errno else _errno_in(str(exc))
+                if number is None:
+                    raise
+                failed.append(number)
+                directory = path if isinstance(callback, keras.callbacks.TensorBoard) else os.path.dirname(path)
+                logger.warning("keras_dist: cannot write %s: %s (errno %d); %s writes nothing more in this run and "
+                               "training goes on; free space in %s or make it writable, or give it another path",
+                               path, os.strerror(number), number, type(callback).__name__, directory or ".")
+                return None
+        return hook
+
+    for name in dir(callback):  # TensorBoard writes the model's summary from `set_model`
+        if (name.startswith("on_") or name == "set_model") and callable(getattr(callback, name)):
+            override(callback, name, guarded(getattr(callback, name)))
+    override(callback, _LOG_GUARD, True)
+    return callback
+
+
+_LOG_GUARD = "_keras_dist_log_failures_warn"
 
 
 def _finish_interrupted_commit(weights, metadata):

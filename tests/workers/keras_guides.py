@@ -153,6 +153,27 @@ def pattern_seeded_metric_objects():
     return summary(model, model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0), x, y)
 
 
+def pattern_seeded_sum_metrics():
+    """Metrics whose states are sums over samples (confusion-matrix counts, weighted totals),
+    with sample weights in `fit` and `evaluate`: each replica's counts must enter the logs
+    once: a ratio hides counts summed twice, the count of true positives does not. Keras 3.16
+    all-reduces metric variables itself on PyTorch (keras#23316)."""
+    x, y = data()
+    positive = (y == 0).astype("float32")
+    weights = np.linspace(0.25, 2.0, len(y)).astype("float32")
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1, activation="sigmoid")])
+    compile(model, optimizer=keras.optimizers.Adam(1e-2), loss="binary_crossentropy",
+            metrics=[keras.metrics.AUC(name="auc"), keras.metrics.Precision(name="precision"),
+                     keras.metrics.Recall(name="recall"), keras.metrics.TruePositives(name="true_positives")],
+            weighted_metrics=[keras.metrics.MeanSquaredError(name="weighted_mse")])
+    history = model.fit(x, positive, sample_weight=weights, batch_size=BATCH, epochs=2, shuffle=False,
+                        validation_data=(x[:33], positive[:33], weights[:33]), verbose=0)
+    return summary(model, history, x, positive,
+                   weighted_evaluate=model.evaluate(x, positive, sample_weight=weights, batch_size=BATCH,
+                                                    verbose=0, return_dict=True))
+
+
 def pattern_seeded_second_model():
     """A second model, built and compiled after the first one trained."""
     x, y = data()
