@@ -1,8 +1,9 @@
 """The exception types keras_dist raises: bad input or a bad environment, and a peer that stopped."""
 
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class KerasDistError(RuntimeError):
@@ -44,7 +45,20 @@ class PeerFailure(KerasDistError):
         super().__init__(f"{who} stopped answering{waited}{said}: its machine froze, lost its network or ended; {fix}")
 
 
-def uncaught_errors_in_one_line() -> None:
+_FAILURE_NOTES: list[Callable[[], None]] = []
+
+
+def note_failures_with(note: Callable[[], None]) -> None:
+    """Runs `note` when this process ends with an uncaught exception, before it prints.
+
+    For peers to tell a process that exited from one that froze: Horovod's strategy writes
+    "exited" into horovodrun's store, which its peers read when their collective fails.
+    Takes effect where `uncaught_errors_in_one_line` is installed (jobs of several processes).
+    """
+    _FAILURE_NOTES.append(note)
+
+
+def uncaught_errors_in_one_line(one_line: bool = True) -> None:
     """Makes an uncaught `KerasDistError` print its one line, without the traceback above it.
 
     For the processes of a job, whose outputs a launcher interleaves: the line says what
@@ -55,12 +69,16 @@ def uncaught_errors_in_one_line() -> None:
     backup being written is left as a partial file, which the next start removes; the
     committed one is untouched. Other exceptions print and exit as before (through the
     hook already set; engines that set theirs later, as torch.distributed does, wrap this
-    one). `KERAS_DIST_LOG=debug` keeps tracebacks and exit handlers.
+    one). `one_line=False` (`KERAS_DIST_LOG=debug`) keeps tracebacks and exit handlers.
+    Either way the notes of `note_failures_with` run first.
     """
     previous = sys.excepthook
 
     def print_one_line(kind, value, traceback):
-        if not issubclass(kind, KerasDistError):
+        for note in _FAILURE_NOTES:
+            with contextlib.suppress(Exception):
+                note()
+        if not one_line or not issubclass(kind, KerasDistError):
             previous(kind, value, traceback)
             return
         # The process's own stderr: a wrapping hook would print what it captured only after this returns.

@@ -68,6 +68,19 @@ def answers(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def refuses(address: str, timeout: float = 2.0) -> bool:
+    """Whether the machine at `address` refuses TCP connections to its port: the process
+    that listened there ended. No answer at all (a frozen or cut-off machine) is not a refusal."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def serves(address: str, timeout: float = 2.0) -> bool:
     """Whether a gRPC server at `address` answers within `timeout` seconds.
 

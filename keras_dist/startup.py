@@ -58,8 +58,8 @@ def start() -> None:
     if environment.size > 1:
         facts.job_address = network.choose_interface(environ, environment.coordinator or
                                                      getattr(environment, "store", None))
-    if environment.size > 1 and not settings.current().debug_log:
-        errors.uncaught_errors_in_one_line()
+    if environment.size > 1:
+        errors.uncaught_errors_in_one_line(one_line=not settings.current().debug_log)
     strategy = strategies.strategy_class(facts.backend)
     strategy.prepare_process(environ, environment)
     processes.watch_launcher(environ)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_dist import timeouts
+from keras_dist import network, timeouts
 from keras_dist.collectives import PEERS_SECONDS, Collectives, flatten, unflatten
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
@@ -159,14 +159,14 @@ class TorchDistributed(TorchTensors):
         # still be ending when the collective fails: looked at again after the wait.
         exited = PeerFailure([f"rank 0 (the job's coordinator at {self._coordinator})"], None,
                              "run the same command again to resume from the last backup", cause=cause, exited=True)
-        if self._coordinator_is_gone():
+        if network.refuses(self._coordinator, PEERS_SECONDS):
             return exited
         store = self._store
         store.set_timeout(datetime.timedelta(seconds=PEERS_SECONDS))
         try:
             store.set(f"keras_dist/failed/{self.rank}", "1")
             time.sleep(PEERS_SECONDS)
-            if self._coordinator_is_gone():
+            if network.refuses(self._coordinator, PEERS_SECONDS):
                 return exited
             silent = [r for r in range(self.size) if not store.check([f"keras_dist/failed/{r}"])]
             stopped = [f"rank {r} on {store.get(f'keras_dist/host/{r}').decode()}" for r in silent]
@@ -174,17 +174,6 @@ class TorchDistributed(TorchTensors):
             stopped = [f"the job's coordinator at {self._coordinator}"]
         return PeerFailure(stopped, f"{self.timeout:g} s", f"or raise {timeouts.STEP_TIMEOUT_VAR} if a step or the "
                            "chief's own work between steps takes that long", cause=cause)
-
-    def _coordinator_is_gone(self) -> bool:
-        """Whether the coordinator's machine refuses connections to its port: the process ended."""
-        host, port = self._coordinator.rsplit(":", 1)
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=PEERS_SECONDS).close()
-        except ConnectionRefusedError:
-            return True
-        except OSError:  # no answer: frozen or cut off, not known to have ended
-            pass
-        return False
 
     def min(self, tensor: Any) -> Any:
         self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN)

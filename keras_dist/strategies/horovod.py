@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import settings, timeouts
+from keras_dist import errors, settings, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
@@ -89,6 +89,7 @@ class HorovodStrategy(Strategy):
                 self.environment.put(f"host.{self.rank}", self.environment.hostname or socket.gethostname())
             except OSError:  # the report of a stopped peer then names no host
                 logger.debug("horovodrun's store took no host name", exc_info=True)
+            errors.note_failures_with(lambda: self.environment.put(f"exited.{self.rank}", "1", timeout=PEERS_SECONDS))
 
     @property
     def _names_stopped_peers(self) -> bool:
@@ -127,6 +128,10 @@ class HorovodStrategy(Strategy):
             silent = [r for r in range(self.size) if environment.get(f"failed.{r}", timeout=PEERS_SECONDS) is None]
             hosts = [environment.get(f"host.{r}", timeout=PEERS_SECONDS) or "an unknown host" for r in silent]
             stopped = [f"rank {r} on {host}" for r, host in zip(silent, hosts)]
+            # Ended by an error of its own (`errors.note_failures_with`), not frozen: no timeout to blame.
+            if silent and all(environment.get(f"exited.{r}", timeout=PEERS_SECONDS) for r in silent):
+                return PeerFailure(stopped, None, "run the same command again to resume from the last backup",
+                                   exited=True)
         except OSError:  # the store is horovodrun's, on the launching machine
             stopped = [f"horovodrun's machine ({environment.store})"]
         timeout = settings.environ().get(GLOO_TIMEOUT, "30")

@@ -29,10 +29,11 @@ import keras
 import numpy as np
 
 from keras_dist import environments, keras_workarounds_jax, network, runtime, settings, timeouts
+from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
-from keras_dist.errors import KerasDistError, PeerFailure
+from keras_dist.errors import KerasDistError, PeerFailure, first_line
 from keras_dist.overrides import override
 
 logger = logging.getLogger("keras_dist")
@@ -230,6 +231,10 @@ def _gloo_advertises(address):
         logger.warning("JAX's CPU backend started before keras_dist; gloo advertises the address of the host name")
 
 
+# How gloo says that the process at the other end of a connection ended.
+_PEER_CLOSED = ("Connection closed by peer", "Connection reset by peer")
+
+
 class JaxDataParallelStrategy(Strategy):
     """Synchronous data parallelism on Keras's JAX backend, over every process's devices."""
 
@@ -279,7 +284,23 @@ class JaxDataParallelStrategy(Strategy):
         # built first) would sit on one device where the global step needs them everywhere.
         if method == "fit":
             _replicate(_variables_of(model))
-        return keras_method(**arguments)
+        try:
+            return keras_method(**arguments)
+        except (ValueError, RuntimeError) as exc:  # jaxlib's errors for a failed gloo collective
+            if "Gloo" not in str(exc) or not any(closed in str(exc) for closed in _PEER_CLOSED):
+                raise
+            raise self._who_exited(exc) from None
+
+    def _who_exited(self, error: Exception) -> PeerFailure:
+        """A peer closed its connections: it ended (a frozen one times out instead, `_PeerWatch`).
+        Rank 0 serves JAX's coordination service, whose port then refuses connections."""
+        from jax._src import distributed
+
+        coordinator = distributed.global_state.coordinator_address  # as joined, after `_start_process_group`
+        gone = ([f"rank 0 (JAX's coordinator at {coordinator})"] if coordinator and self.rank != 0
+                and network.refuses(coordinator, PEERS_SECONDS) else [])
+        return PeerFailure(gone, None, "run the same command again to resume from the last backup",
+                           cause=first_line(error), exited=True)
 
     def distribute_optimizer(self, optimizer: keras.optimizers.Optimizer, options: GradientOptions) -> None:
         # The sharded train step averages gradients itself (XLA's all-reduce).
