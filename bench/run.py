@@ -5,6 +5,9 @@
     .venv/bin/python bench/run.py --quick ...   # smoke test: 3 s windows, 1 round, 1 window
     .venv/bin/python bench/run.py --hosts ...   # two simulated hosts on a rate-limited link (root):
                                                 # bench/hosts.py, which takes the options after --hosts
+    .venv/bin/python bench/run.py --python-b ~/.cache/keras_dist/keras-nightly/bin/python ...
+                                                # each configuration also under another environment
+                                                # (tools/keras_nightly.py makes that one), alternating
 
 Every configuration runs in this one invocation, on this machine, so the ratios compare
 like with like; absolute numbers move with machine load, ratios much less.
@@ -88,6 +91,7 @@ Strategy workers get TF_CONFIG on free 127.0.0.1 ports, as `keras-dist launch` g
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -103,7 +107,6 @@ from keras_dist.launchers.processes import kill_process_groups  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
-HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
 
 
 class Failed(Exception):
@@ -125,6 +128,7 @@ class Config:
     env: dict = field(default_factory=dict)
     threads: int | None = None  # intra-op threads per process; None: --threads
     worker: str = "worker.py"  # backend_worker.py for Keras on JAX or PyTorch
+    python: str = PYTHON  # another environment's interpreter: --python-b
 
 
 def launch(model, config, args):
@@ -141,16 +145,17 @@ def launch(model, config, args):
         network = model.split("_", 1)[1] if config.worker == "backend_worker.py" else model
         argv = [str(HERE / config.worker), config.mode, network, "--window", str(args.window),
                 "--windows", str(args.windows), "--sync", sync_dir, "--data", args.data_dir]
+        python = config.python
         if config.launcher is None:
-            commands = [([PYTHON, *argv], {}, False)]
+            commands = [([python, *argv], {}, False)]
         elif config.launcher == "horovod":
-            commands = [([HOROVODRUN, "-np", str(config.processes), "-H", f"localhost:{config.processes}", "--gloo",
-                          PYTHON, *argv], {}, False)]
+            commands = [([str(Path(python).parent / "horovodrun"), "-np", str(config.processes), "-H",
+                          f"localhost:{config.processes}", "--gloo", python, *argv], {}, False)]
         else:
             from keras_dist.strategies import local_cluster
 
             tasks = local_cluster(config.launcher, config.processes, config.num_ps, argv)
-            commands = [(t.argv, t.env, t.serves) for t in tasks]
+            commands = [([python if a == PYTHON else a for a in t.argv], t.env, t.serves) for t in tasks]
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": str(threads),
                "BENCH_THREADS": str(threads), **config.env}
         codes, output = run_together(commands, env, timeout=args.timeout)
@@ -169,7 +174,7 @@ def launch(model, config, args):
             "cpu_s_per_epoch_worker": max(p["cpu_s"] / p["epochs"] for p in parts) if all_report else None,
             "samples_per_epoch": sum(p["samples"] / p["epochs"] for p in parts),
         })
-    return windows, reports[0]["params"]
+    return windows, reports[0]["params"], reports[0].get("keras")
 
 
 def run_together(commands, env, timeout):
@@ -321,6 +326,8 @@ def main():
     parser.add_argument("--timeout", type=float, help="seconds a launch may take (default: from --window, --windows)")
     parser.add_argument("--data-dir", default=None, help="where the TFRecord files are written once and reused "
                                                          "(default ~/.cache/keras_dist/bench/<version>)")
+    parser.add_argument("--python-b", help="also run every chosen configuration (as NAME@b) with this interpreter, "
+                        "e.g. a venv with another Keras; ratios NAME@b / NAME")
     parser.add_argument("--quick", action="store_true", help="smoke test: --window 3 --rounds 1 --windows 1")
     args = parser.parse_args()
     if args.quick:
@@ -339,6 +346,9 @@ def main():
     if wanted - known:
         parser.error(f"unknown configuration(s) {', '.join(sorted(wanted - known))}")
 
+    if args.python_b:  # alternating with the configurations they mirror
+        plan = [pair for m, c in plan for pair in ((m, c), (m, dataclasses.replace(c, name=f"{c.name}@b",
+                                                                                 python=args.python_b)))]
     if any(KINDS[m] in ("tfdata", "input") for m in models):
         sys.path.insert(0, str(HERE))
         import tfdata
@@ -350,7 +360,7 @@ def main():
     print(f"{len(plan)} configurations x {args.rounds} rounds, {args.windows} window(s) of >= {args.window:g} s "
           f"per launch, timeout {args.timeout:.0f} s", flush=True)
     windows = {key: [] for key in ((m, c.name) for m, c in plan)}
-    params, failures = {}, {}
+    params, failures, kerases = {}, {}, {}
     started = time.monotonic()
     for round_ in range(args.rounds):
         for model, config in plan:
@@ -359,7 +369,7 @@ def main():
                 continue
             t0 = time.monotonic()
             try:
-                got, params[model] = launch(model, config, args)
+                got, params[model], kerases[key] = launch(model, config, args)
             except Failed as exc:
                 failures[key] = str(exc)
                 print(f"round {round_ + 1} {model:10s} {config.name:18s} FAILED, skipped from now on: {exc}\n"
@@ -374,16 +384,20 @@ def main():
     results, ratios, table = {}, {}, []
     for model in models:
         runs = {}
-        for config in CONFIGS[KINDS[model]]:
+        for config in [c for m, c in plan if m == model]:
             got = windows.get((model, config.name))
             if got is None:
                 continue
             runs[config.name] = {figure: median(w[figure] for w in got)
                                  for figure in (SPS, CPU, EPOCH_CPU, "samples_per_epoch")}
             runs[config.name]["windows"] = len(got)
+            runs[config.name]["keras"] = kerases.get((model, config.name))
             runs[config.name]["window_samples_per_s"] = [round(w[SPS], 2) for w in got]
         results[model] = {"params": params.get(model), "configurations": runs}
-        for name, numerator, denominator, figure, target in RATIOS[KINDS[model]]:
+        mirrored = [(f"{c.name}@b_vs_{c.name}{suffix}", f"{c.name}@b", c.name, figure, None)
+                    for m, c in plan if m == model and not c.name.endswith("@b")
+                    for suffix, figure in (("", SPS), ("_cpu", CPU))]
+        for name, numerator, denominator, figure, target in RATIOS[KINDS[model]] + mirrored:
             if numerator not in runs or denominator not in runs:
                 continue
             top, bottom = runs[numerator][figure], runs[denominator][figure]
@@ -396,7 +410,8 @@ def main():
     for model in models:
         for name, run in results[model]["configurations"].items():
             print(f"{model:10s} {name:18s} {fmt(run[SPS])} {fmt(run[CPU], 1000, 14, 3)} "
-                  f"{fmt(run[EPOCH_CPU], 1, 19, 3)} {fmt(run['samples_per_epoch'], 1, 14, 0)} {run['windows']:8d}")
+                  f"{fmt(run[EPOCH_CPU], 1, 19, 3)} {fmt(run['samples_per_epoch'], 1, 14, 0)} {run['windows']:8d}"
+                  f"  Keras {run['keras']}")
     print(f"\n{'model':10s} {'ratio':42s} {'value':>7s} {'target':>8s} {'met':>4s}")
     for model, name, value, target in table:
         print(f"{model:10s} {name:42s} {fmt(value, 1, 7, 3)} {target or '':>8s} {meets(value, target):>4s}")

@@ -58,5 +58,7 @@ class Windows:
 
     def report(self, size, params):
         """Prints the `BENCH {json}` line bench/run.py reads."""
-        print("BENCH " + json.dumps({"rank": self.rank, "size": size, "params": params, "windows": self.windows}),
-              flush=True)
+        import keras  # already imported by every worker
+
+        print("BENCH " + json.dumps({"rank": self.rank, "size": size, "params": params, "windows": self.windows,
+                                     "keras": keras.__version__}), flush=True)

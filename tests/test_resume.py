@@ -161,6 +161,20 @@ def test_callback_state_survives_a_restart(tmp_path, configuration, backend):
     for got, want in zip(resumed[1:], expected[1:]):
         for a, b in zip(got.split(","), want.split(",")):
             assert a == b or abs(float(a) - float(b)) < 1e-6, (resumed, expected)
+    # TensorBoard's steps go on from the backup's (before, the rerun's curves started at step 1 again).
+    expected_steps, rerun_steps = (batch_steps(files) for files in (
+        sorted((reference / "tensorboard" / "train").glob("events.*")),
+        sorted((killed / "tensorboard" / "train").glob("events.*"), key=os.path.getmtime)[-1:]))
+    assert expected_steps[-1] == rerun_steps[-1] and rerun_steps[0] > 1, (rerun_steps, expected_steps)
+    assert set(rerun_steps) <= set(expected_steps)
+
+
+def batch_steps(event_files):
+    """The steps of the `batch_loss` summaries in TensorBoard's event files, sorted."""
+    import tensorflow as tf
+
+    return sorted(event.step for path in event_files for event in tf.compat.v1.train.summary_iterator(str(path))
+                  if any(value.tag == "batch_loss" for value in event.summary.value))
 
 
 @pytest.mark.parametrize("backend, data, notice_to, extra", [

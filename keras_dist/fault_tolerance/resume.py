@@ -53,6 +53,8 @@ _CALLBACK_STATE = {
     keras.callbacks.EarlyStopping: ("wait", "best", "best_epoch", "stopped_epoch"),
     keras.callbacks.ReduceLROnPlateau: ("wait", "best", "cooldown_counter"),
     keras.callbacks.ModelCheckpoint: ("best",),
+    # Its batch-level summaries' step: from 0 again, a restarted job's curves went back in time.
+    keras.callbacks.TensorBoard: ("_global_train_batch",),
 }
 
 

@@ -22,7 +22,7 @@ sample ids it trains to OUT_DIR/samples.ATTEMPT.RANK, a line `epoch step id id .
 With --callback-state, a `ModelCheckpoint(save_best_only=True)` whose monitor gets worse
 (the loss, mode "max": its best is the first epoch) writes OUT_DIR/best.weights.h5, and a
 callback of the script's keeps its own state (`get_state`/`set_state`: the epochs it saw),
-and a `CSVLogger` writes OUT_DIR/log.csv;
+a `CSVLogger` writes OUT_DIR/log.csv and a `TensorBoard` OUT_DIR/tensorboard (every step);
 result.npz also holds the best checkpoint's weights (`best_*`) and that count.
 """
 
@@ -187,7 +187,8 @@ best_path = os.path.join(args.out, "best.weights.h5")
 if args.callback_state:
     callbacks += [keras.callbacks.ModelCheckpoint(best_path, monitor="loss", mode="max", save_best_only=True,
                                                   save_weights_only=True), seen,
-                  keras.callbacks.CSVLogger(os.path.join(args.out, "log.csv"))]
+                  keras.callbacks.CSVLogger(os.path.join(args.out, "log.csv")),
+                  keras.callbacks.TensorBoard(os.path.join(args.out, "tensorboard"), update_freq=1, write_graph=False)]
 history = model.fit(**make_input(), batch_size=None if args.input in ("tf_data", "py_dataset", "data_loader")
                     else batch_size, epochs=3, verbose=0, callbacks=callbacks)
 final = [np.asarray(w) for w in model.get_weights()]
