@@ -67,27 +67,30 @@ def _launch(args):
     keras_backend = _require_keras_backend()
     args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
     _require_engine(args.backend)
+    from keras_dist.launchers.agent import Job, JobState
     from keras_dist.launchers.nodes import Nodes, serve_directory
-    from keras_dist.launchers.processes import BACKUP_DIR, INTERRUPTED, RESTART, run_tasks
+    from keras_dist.launchers.processes import BACKUP_DIR, RESTART
 
     nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != 1 else None
+
+    def tasks_for(attempt):
+        tasks = strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args],
+                                         dataclasses.replace(nodes, attempt=attempt) if nodes else None)
+        for task in tasks:
+            task.env[RESTART] = str(attempt)
+            if args.backup_dir:
+                task.env[BACKUP_DIR] = os.path.abspath(args.backup_dir)
+        return tasks
+
     directory = serve_directory(nodes) if nodes and nodes.rank == 0 and _uses_directory(args.backend) else None
     try:
-        for attempt in range(args.max_restarts + 1):
-            tasks = strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args],
-                                             dataclasses.replace(nodes, attempt=attempt) if nodes else None)
-            for task in tasks:
-                task.env[RESTART] = str(attempt)
-                if args.backup_dir:
-                    task.env[BACKUP_DIR] = os.path.abspath(args.backup_dir)
-            code = run_tasks(tasks, grace_seconds=args.grace_period)
-            if code in (0, *INTERRUPTED) or attempt == args.max_restarts:
-                return code
-            print(f"[keras-dist] the job failed (exit {code}); restart {attempt + 1} of {args.max_restarts}",
-                  flush=True)
+        result = Job(tasks_for, args.max_restarts, args.grace_period).run()
     finally:
         if directory is not None:
             directory.shutdown()
+    if result.state is JobState.FAILED and args.max_restarts:
+        print(f"[keras-dist] {result.describe()}", flush=True)
+    return result.exit_code
 
 
 

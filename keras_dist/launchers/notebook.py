@@ -91,7 +91,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
         for task in tasks:
             task.env.setdefault("KERAS_BACKEND", keras_backend)
         prefix = f"[{tasks[0].name}] " if tasks[0].prefix_output else "[0]<stdout>:"  # horovodrun's own prefix
-        code = run_tasks(tasks, out=_ChiefLines(sys.stdout, prefix, all_output))
+        code = run_tasks(tasks, out=_ChiefLines(sys.stdout, prefix, all_output)).exit_code
         if code in INTERRUPTED:
             raise KeyboardInterrupt(f"keras_dist.notebook_launcher: interrupted; the {len(tasks)} tasks were stopped")
         if code != 0:

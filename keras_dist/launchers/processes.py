@@ -14,6 +14,7 @@ launcher's pid in `KERAS_DIST_LAUNCHER_PID` and ends itself once it is gone
 (`watch_launcher`, started by `import keras_dist`).
 """
 
+import dataclasses
 import os
 import signal
 import socket
@@ -68,9 +69,17 @@ def _pump(stream, prefix, out, drop_start_up_lines):
 _CLUSTER_VARIABLES = ("TF_CONFIG", "HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "MPI_LOCALNRANKS", LAUNCHER_PID)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """How one start of a job's tasks ended: the exit code to report, and the task that failed first."""
+
+    exit_code: int
+    failed_task: str | None = None
+
+
 def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: float = 0.2,
-              grace_seconds: float = 30.0) -> int:
-    """Starts `tasks`, waits for all of them, returns the first failing exit code (or 0).
+              grace_seconds: float = 30.0) -> Ended:
+    """Starts `tasks`, waits for all of them, returns the first failing exit code (or 0) and its task.
 
     `grace_seconds`: how long tasks get to exit after a notice passed on to them.
     """
@@ -113,20 +122,21 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
             if failed:
                 task, code = failed[0]
                 out.write(f"[keras-dist] task {task.name} exited with {exit_code(code)}; stopping the others\n")
-                return exit_code(code)
+                return Ended(exit_code(code), task.name)
             trainers = [code for (task, _), code in zip(procs, codes) if not task.serves]
             if trainers and all(code == 0 for code in trainers):
-                return 0
+                return Ended(0)
             if not trainers and all(code is not None for code in codes):
                 # A machine of servers only (`--nnodes`): they end with the chief, elsewhere.
-                return next((exit_code(code) for code in codes if code), 0)
+                return next((Ended(exit_code(code), task.name) for (task, _), code in zip(procs, codes) if code),
+                            Ended(0))
             time.sleep(poll_seconds)
     except KeyboardInterrupt as interrupt:
         sig = interrupt.args[0] if interrupt.args else signal.SIGINT
         if sig in NOTICE_SIGNALS:
-            return _pass_on_notice(sig, procs, grace_seconds, out)
+            return Ended(_pass_on_notice(sig, procs, grace_seconds, out))
         out.write(f"[keras-dist] {signal.Signals(sig).name}; stopping every task\n")
-        return 128 + sig
+        return Ended(128 + sig)
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)

@@ -1,0 +1,78 @@
+"""The launcher's restart and preemption policy (`keras_dist.launchers.agent.Job`), with
+real short-lived processes: each task is a Python one-liner whose exit depends on the
+attempt. The end-to-end runs of the same policy are in test_api.py and test_resume.py."""
+
+import io
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from keras_dist.launchers.agent import Job, JobState
+from keras_dist.launchers.base import Task
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def tasks_exiting(codes_by_attempt):
+    """`tasks_for` of a job of two tasks: at attempt A, task rank:R exits with codes_by_attempt[A][R]."""
+    def tasks_for(attempt):
+        codes = codes_by_attempt[min(attempt, len(codes_by_attempt) - 1)]
+        return [Task(f"rank:{rank}", [sys.executable, "-c", f"import sys, time; time.sleep(0.2); sys.exit({code})"])
+                for rank, code in enumerate(codes)]
+    return tasks_for
+
+
+def test_a_job_whose_tasks_succeed_ends_at_once():
+    job = Job(tasks_exiting([[0, 0]]), max_restarts=2, out=io.StringIO())
+    result = job.run()
+    assert (result.state, result.exit_code, result.attempts, result.failed_task) == (JobState.SUCCEEDED, 0, 1, None)
+    assert job.history == [JobState.RUNNING, JobState.SUCCEEDED]
+
+
+def test_a_failed_task_restarts_the_job_until_it_succeeds():
+    out = io.StringIO()
+    job = Job(tasks_exiting([[0, 3], [0, 0]]), max_restarts=2, out=out)
+    result = job.run()
+    assert (result.state, result.exit_code, result.attempts) == (JobState.SUCCEEDED, 0, 2)
+    assert job.history == [JobState.RUNNING, JobState.RESTARTING, JobState.RUNNING, JobState.SUCCEEDED]
+    assert "the job failed (task rank:1 exited with 3); restart 1 of 2" in out.getvalue()
+
+
+def test_restarts_spent_end_the_job_naming_the_failed_task():
+    job = Job(tasks_exiting([[0, 3], [5, 0]]), max_restarts=1, out=io.StringIO())
+    result = job.run()
+    assert (result.state, result.exit_code, result.attempts, result.failed_task) == (JobState.FAILED, 5, 2, "rank:0")
+    assert result.describe() == "the job failed after 2 attempts: task rank:0 exited with 5"
+
+
+def test_a_task_that_saved_at_a_notice_is_not_restarted():
+    # 143: a task that got SIGTERM itself (one pod signalled) saved and exited.
+    job = Job(tasks_exiting([[143, 143], [0, 0]]), max_restarts=3, out=io.StringIO())
+    result = job.run()
+    assert (result.state, result.exit_code, result.attempts) == (JobState.PREEMPTED, 143, 1)
+
+
+def test_a_notice_to_the_launcher_is_passed_on_and_ends_the_job_preempted(tmp_path):
+    ready = tmp_path / "ready"
+    # Each task exits 143 at the SIGTERM passed on to it, as a task that saved does.
+    script = ("import signal, sys, time, pathlib; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); "
+              f"pathlib.Path({str(ready)!r} + sys.argv[1]).touch(); time.sleep(30)")
+
+    def tasks_for(attempt):
+        return [Task(f"rank:{rank}", [sys.executable, "-c", script, str(rank)]) for rank in range(2)]
+
+    def notice():
+        deadline = time.monotonic() + 20
+        while not all(os.path.exists(f"{ready}{rank}") for rank in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=notice, daemon=True).start()
+    started = time.monotonic()
+    result = Job(tasks_for, max_restarts=3, grace_seconds=10, out=io.StringIO()).run()
+    assert (result.state, result.exit_code, result.attempts) == (JobState.PREEMPTED, 143, 1)
+    assert time.monotonic() - started < 15
