@@ -40,8 +40,9 @@ VARIABLES = (
     # keras_dist's settings.
     Variable("KERAS_DIST_BACKEND", "setting", "backend name", "detected from the launcher",
              "the backend (strategy) to run; `keras_dist.init(backend=...)` wins over it"),
-    Variable("KERAS_DIST_STEP_TIMEOUT", "setting", "seconds", "120 for the first steps, then 30",
-             "how long a step waits for the other processes before the job stops with a one-line error"),
+    Variable("KERAS_DIST_STEP_TIMEOUT", "setting", "seconds", "120 to join and for the first steps, then 30",
+             "how long a process waits for the others before the job stops with a one-line error; each backend "
+             "applies it as the table above says"),
     Variable("KERAS_DIST_BUCKET_BYTES", "setting", "bytes", "the backend's",
              "bytes of gradients per collective; 0: one collective per gradient tensor"),
     Variable("KERAS_DIST_BACKUP_DIR", "setting", "directory", "none",

@@ -1,11 +1,16 @@
-"""How long a step waits for the other processes before the job stops: one setting for every backend.
+"""How long a process waits for the others before the job stops: one policy, every backend.
 
 A frozen or cut-off machine never closes its connections, so without a bound its peers
 wait for ever (torch's gloo waits 30 min, JAX's heartbeats 100 s, TensorFlow's parameter
-servers for ever). The first steps also trace or compile the step function and start the
-input pipelines, on every process at its own pace; later ones are short (Horovod's own
-collective timeout is 30 s).
+servers for ever). Joining the job and the first steps trace or compile the step function
+and start the input pipelines, on every process at its own pace; later ones are short.
+
+`policy()` is the one reading of the setting; each strategy says what its engine makes of
+it (`Strategy.applied_step_timeout`), which docs/settings.md tabulates and
+tests/test_settings.py checks against the code.
 """
+
+import dataclasses
 
 from keras_dist import settings
 
@@ -16,16 +21,25 @@ DEFAULT_STEP_TIMEOUT = 30.0
 FIRST_STEPS = 2
 
 
-def chosen(explicit: float | None = None) -> float | None:
-    """The user's step timeout in seconds: `explicit`, else `KERAS_DIST_STEP_TIMEOUT`; None: the defaults."""
-    return explicit or settings.current().step_timeout
+@dataclasses.dataclass(frozen=True)
+class StepTimeout:
+    """The step timeout as strategies receive it.
+
+    Attributes:
+        first: seconds to join the job and for each of the first `FIRST_STEPS` steps.
+        later: seconds for each step after those.
+        chosen: whether the user set it (`KERAS_DIST_STEP_TIMEOUT`, or a strategy's
+            argument): then `first == later`.
+    """
+
+    first: float
+    later: float
+    chosen: bool
 
 
-def first_steps(explicit: float | None = None) -> float:
-    """Seconds a process may wait at start-up and in the first steps."""
-    return chosen(explicit) or DEFAULT_FIRST_STEP_TIMEOUT
-
-
-def later_steps(explicit: float | None = None) -> float:
-    """Seconds a process may wait in a step after the first ones."""
-    return chosen(explicit) or DEFAULT_STEP_TIMEOUT
+def policy(explicit: float | None = None) -> StepTimeout:
+    """The step timeout: `explicit` seconds, else `KERAS_DIST_STEP_TIMEOUT`, else 120 then 30."""
+    value = explicit or settings.current().step_timeout
+    if value:
+        return StepTimeout(value, value, True)
+    return StepTimeout(DEFAULT_FIRST_STEP_TIMEOUT, DEFAULT_STEP_TIMEOUT, False)

@@ -30,6 +30,15 @@ def test_two_workers_match_one_process_and_write_files_on_the_chief_only(tmp_pat
                 os.path.getmtime(os.path.join("/tmp", d)) > os.path.getmtime(tmp_path / "mwms" / "log.csv") - 60]
 
 
+def test_a_chosen_step_timeout_it_cannot_apply_is_said_in_one_line_at_start_up(tmp_path):
+    """docs/settings.md: MultiWorkerMirrored leaves waiting to TensorFlow; the chief says so once."""
+    argv = [runner.WORKER, tmp_path, "--batch", 8, "--samples", 32, "--eval-samples", 8]
+    envs = [{**env, "KERAS_DIST_STEP_TIMEOUT": "45"} for env in runner.tf_config_envs(2)]
+    outputs = runner.run_python_ok([argv, argv], envs)
+    said = [out.count("does not apply KERAS_DIST_STEP_TIMEOUT") for _, out in outputs]
+    assert said == [1, 0], said
+
+
 def test_upstream_keras_20585_still_fails():
     """Fails once Keras fixes keras-team/keras#20585 / tensorflow#72388: drop the workarounds."""
     envs = runner.tf_config_envs(2)

@@ -52,3 +52,22 @@ def test_a_bad_value_is_a_one_line_error_naming_the_variable(name, value):
     with pytest.raises(KerasDistError, match=f"^{name}='{value}'") as error:
         Settings.from_environ({name: value})
     assert "\n" not in str(error.value)
+
+
+def test_the_step_timeout_table_is_what_each_backend_declares():
+    """docs/settings.md's per-backend table, row by row, from `Strategy.applied_step_timeout`."""
+    from keras_dist import strategies, timeouts
+
+    expected = []
+    for name in strategies.REGISTRY:
+        cls = strategies.strategy_class(name)
+        for label, policy in (("unset", timeouts.StepTimeout(120.0, 30.0, False)),
+                              ("45", timeouts.StepTimeout(45.0, 45.0, True))):
+            applied = cls.applied_step_timeout(policy)
+            if applied is not None:
+                expected.append(f"| `{name}` | {label} | " + " | ".join(applied) + " |")
+    doc = (ROOT / "docs" / "settings.md").read_text()
+    table = doc[doc.index("| backend | `KERAS_DIST_STEP_TIMEOUT` |"):].split("\n\n")[0].splitlines()[2:]
+    assert table == expected
+    assert timeouts.policy() == timeouts.StepTimeout(120.0, 30.0, False)  # no KERAS_DIST_STEP_TIMEOUT in tests
+    assert timeouts.policy(45) == timeouts.StepTimeout(45, 45, True)

@@ -102,7 +102,7 @@ class TorchDistributed(TorchTensors):
             # A collective cannot tell a frozen peer from one busy with the chief's own work
             # (a checkpoint) between steps, so it waits as long as a first step may take:
             # bounded, where gloo's default is 30 minutes.
-            self.timeout = timeouts.first_steps()
+            self.timeout = timeouts.policy().first
             try:
                 dist.init_process_group(_engine(torch, environment),
                                         init_method=f"tcp://{coordinator}", rank=environment.rank,

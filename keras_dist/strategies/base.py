@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from keras_dist import settings
+from keras_dist import settings, timeouts
 from keras_dist.collectives import SINGLE, Collectives
 from keras_dist.environments import ClusterEnvironment, LocalEnvironment
 
@@ -130,6 +130,14 @@ class Strategy(abc.ABC):
 
     def __init__(self, environment: ClusterEnvironment | None = None):
         self.environment = environment or LocalEnvironment()
+
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str] | None:
+        """How long this backend's processes wait for the others under `policy`: when joining
+        the job, in the first steps and in later ones (docs/settings.md tabulates it); None
+        where one process trains alone. A strategy that cannot apply part of a policy the user
+        chose says so in one line when it starts."""
+        return None
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:

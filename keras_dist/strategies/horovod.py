@@ -68,11 +68,11 @@ class HorovodStrategy(Strategy):
         local_size = environment.local_size
         if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
             environ["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
-        # The one step-timeout setting of every backend is, on Horovod, its Gloo timeout
-        # (read once, by hvd.init; 30 s by default), unless horovodrun's own was given.
-        step_timeout = timeouts.chosen()
-        if step_timeout is not None and GLOO_TIMEOUT not in environ:
-            environ[GLOO_TIMEOUT] = str(math.ceil(step_timeout))
+        # The step timeout is, on Horovod, its Gloo timeout (read once, by hvd.init; 30 s
+        # by default), unless horovodrun's own was given.
+        step_timeout = timeouts.policy()
+        if step_timeout.chosen and GLOO_TIMEOUT not in environ:
+            environ[GLOO_TIMEOUT] = str(math.ceil(step_timeout.later))
 
     @classmethod
     def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> MPIEnvironment:
@@ -90,6 +90,12 @@ class HorovodStrategy(Strategy):
             except OSError:  # the report of a stopped peer then names no host
                 logger.debug("horovodrun's store took no host name", exc_info=True)
             errors.note_failures_with(lambda: self.environment.put(f"exited.{self.rank}", "1", timeout=PEERS_SECONDS))
+
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
+        # One Gloo timeout for Horovod's rendezvous and every collective.
+        seconds = f"{math.ceil(policy.later)} s" if policy.chosen else "Horovod's own 30 s"
+        return seconds, seconds, seconds
 
     @property
     def _names_stopped_peers(self) -> bool:

@@ -73,7 +73,8 @@ def _start_process_group(environment):
             # 127.0.1.1), where the coordinator does not listen: reach it by its address.
             coordinator = f"{address}:{port}"
         gpus = _local_gpus(settings.environ(), environment)
-        start = timeouts.first_steps()
+        step_timeout = timeouts.policy()
+        start = step_timeout.first
         unjoined = (f"process {environment.rank} did not join JAX's process group at {coordinator} within {start:g} s, "
                     f"advertising {address}; check the coordinator address and set GLOO_SOCKET_IFNAME to the interface "
                     f"the other machines reach, or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart")
@@ -82,7 +83,7 @@ def _start_process_group(environment):
         watchdog = threading.Timer(start, _give_up, (unjoined,))
         watchdog.daemon = True
         watchdog.start()
-        later = timeouts.later_steps()
+        later = step_timeout.later
         try:
             # JAX's heartbeats end the job too, after keras_dist's own `_PeerWatch` (at twice its
             # timeout plus a margin: at equal timeouts JAX's abort, a C++ stack trace, came first).
@@ -262,6 +263,12 @@ class JaxDataParallelStrategy(Strategy):
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
         keras.distribution.set_distribution(self.distribution)
         self._local_depth = 0
+
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
+        # Steps are not timed: `_PeerWatch` ends the job when a process stops beating
+        # (beats run on threads of their own, so a long first step does not stop them).
+        return f"{policy.first:g} s", f"{policy.later:g} s without a beat", f"{policy.later:g} s without a beat"
 
     @property
     def num_replicas(self) -> int:

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import keras_workarounds
+from keras_dist import keras_workarounds, timeouts
 from keras_dist.collectives.tf_distribute import TFDistribute
 from keras_dist.strategies.base import InputPlan, bucket_bytes
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
@@ -25,6 +25,8 @@ from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, thr
 from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.overrides import override, set_while
 from keras_dist.tf_cluster import detected_cluster, prepare_server_process
+
+logger = logging.getLogger("keras_dist")
 
 if TYPE_CHECKING:
     import keras
@@ -80,6 +82,14 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
                                  "'multi_worker_mirrored'; run it as a 'worker'")
         super().__init__(environment)
         self.collectives = TFDistribute(self.strategy, environment.rank, environment.size)
+        if timeouts.policy().chosen and self.is_chief:
+            logger.warning("keras_dist: backend 'multi_worker_mirrored' does not apply %s: TensorFlow's collectives "
+                           "take no timeout from keras_dist (one costs a thread per collective); a stopped worker "
+                           "ends the job at TensorFlow's heartbeat timeout", timeouts.STEP_TIMEOUT_VAR)
+
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
+        return "TensorFlow's own", "TensorFlow's heartbeat timeout", "TensorFlow's heartbeat timeout"
 
     def make_strategy(self) -> "tf.distribute.Strategy":
         return _strategy if _strategy is not None else _make_strategy()

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import keras_workarounds_torch, runtime, settings
+from keras_dist import keras_workarounds_torch, runtime, settings, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment
@@ -57,6 +57,13 @@ class TorchDistributedStrategy(Strategy):
     def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
         # At import, before the script builds its model: Keras puts variables on the current GPU.
         _take_local_gpu(environment)
+
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
+        # torch.distributed takes one timeout per process group, and a collective cannot tell
+        # a frozen peer from a chief busy with a checkpoint between steps: the longer one.
+        # (Under horovodrun, Horovod's collectives: as backend 'horovod'.)
+        return (f"{policy.first:g} s",) * 3
 
     def __init__(self, environment: ClusterEnvironment | None = None):
         import keras

@@ -35,17 +35,17 @@ class CoordinatedSteps:
         coordinator: its `ClusterCoordinator`.
         workers: the worker tasks' addresses, in task order (their number bounds the
             closures in flight; a stalled step probes them to name a frozen one).
-        step_timeout: seconds a step may take before the job stops with a one-line error;
-            None: `timeouts.DEFAULT_FIRST_STEP_TIMEOUT` until a step function has run
-            `timeouts.FIRST_STEPS` times on each worker's share, then `timeouts.DEFAULT_STEP_TIMEOUT`.
+        step_timeout: how long a step may take before the job stops with a one-line error:
+            its `first` until a step function has run `timeouts.FIRST_STEPS` times on each
+            worker's share, then its `later`; None: `timeouts.policy()`.
         stalled: set when a step did not finish in time.
     """
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.ParameterServerStrategy,
                  coordinator: tf.distribute.coordinator.ClusterCoordinator, workers: Sequence[str] = ("",),
-                 step_timeout: float | None = None, stalled: threading.Event | None = None) -> None:
+                 step_timeout: timeouts.StepTimeout | None = None, stalled: threading.Event | None = None) -> None:
         self.model = model
-        self.step_timeout = step_timeout
+        self.step_timeout = step_timeout or timeouts.policy()
         self.workers = workers
         self._finished = {}  # step function -> steps fetched
         self.stalled = stalled or threading.Event()
@@ -145,9 +145,8 @@ class CoordinatedSteps:
         from tensorflow.python.distribute.coordinator.cluster_coordinator import _is_worker_failure
 
         finished = self._finished.get(function, 0)
-        timeout = self.step_timeout or (timeouts.DEFAULT_STEP_TIMEOUT
-                                        if finished >= timeouts.FIRST_STEPS * len(self.workers)
-                                        else timeouts.DEFAULT_FIRST_STEP_TIMEOUT)
+        timeout = (self.step_timeout.later if finished >= timeouts.FIRST_STEPS * len(self.workers)
+                   else self.step_timeout.first)
         for attempt in range(attempts):
             try:
                 value = _value_within(remote, timeout)

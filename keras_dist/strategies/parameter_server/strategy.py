@@ -92,7 +92,7 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, environment: TFConfigEnvironment, variable_partitioner: Any = None, step_timeout: float | None = None):
         super().__init__(environment)
         cluster, kind = environment.cluster, environment.task_type
-        self.step_timeout = timeouts.chosen(step_timeout)
+        self.step_timeout = timeouts.policy(step_timeout)
         if kind != "chief":
             raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
                                  "only the 'chief' task runs the script past `import keras_dist`")
@@ -109,6 +109,11 @@ class ParameterServerStrategy(Strategy):
         self.stalled = threading.Event()  # set by a step that did not finish in time
         announce_end(cluster, self.stalled)
         self._steps = weakref.WeakKeyDictionary()  # model -> CoordinatedSteps of its latest compile
+
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
+        # Joining is TensorFlow's: its servers wait for the cluster's tasks without a bound of ours.
+        return "TensorFlow's own", f"{policy.first:g} s", f"{policy.later:g} s"
 
     @property
     def num_replicas(self) -> int:
