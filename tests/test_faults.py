@@ -327,3 +327,13 @@ def test_logs_on_a_full_disk_warn_once_each_and_training_goes_on(small_disk, tmp
         assert len(warnings) == 1 and "No space left on device (errno 28)" in warnings[0], out[-3000:]
         assert "training goes on" in warnings[0], warnings[0]
     assert "Traceback" not in out and "Exception ignored" not in out, out[-3000:]
+
+
+def test_processes_forked_during_fit_end_at_sigterm_as_without_keras_dist(tmp_path):
+    """A PyDataset's pool workers, forked while keras_dist's notice handlers are set, must
+    not inherit them: the pool ends them with SIGTERM. Before, each printed "SIGTERM
+    received" and lived on (one blocked on its queue's lock hung the exit; issue 44)."""
+    code, out = run([sys.executable, WORKERS / "forked_pool.py", tmp_path / "backup"], timeout=120,
+                    env={"KERAS_BACKEND": "torch"})
+    assert code == 0 and "trained" in out, out[-3000:]
+    assert "SIGTERM received" not in out, out[-3000:]

@@ -21,6 +21,7 @@ training before the save begins, and fast steps pay for one collective a second 
 """
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -48,14 +49,31 @@ PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 _CHECK_SECONDS = 1.0
 # `0` turns off the requeue of a SLURM job stopped at SIGUSR1.
 SLURM_REQUEUE = "KERAS_DIST_SLURM_REQUEUE"
+# The signal handlers a notice replaced while its `fit` runs (on the main thread): what a
+# process forked meanwhile must have again.
+_REPLACED: dict = {}
+
+
+def _signals_as_before_in_child() -> None:
+    """In a process forked during `fit` (a `PyDataset(use_multiprocessing=True)` pool worker):
+    the signals act as without keras_dist. The pool ends its workers with SIGTERM; with the
+    notice's handler inherited they printed "SIGTERM received" and lived on, and one blocked
+    on its queue's lock hung the parent's exit, where multiprocessing waits for it (issue 44)."""
+    for sig, handler in _REPLACED.items():
+        signal.signal(sig, handler)
+    _REPLACED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_signals_as_before_in_child)
 
 
 class PreemptionNotice(keras.callbacks.Callback):
     """Notes SIGTERM and SIGUSR1 during `fit`; the processes agree on the step to stop after.
 
     keras_dist adds it first among `fit`'s callbacks, on every process. Its handlers are
-    set for the duration of `fit` only, on the main thread; outside `fit` a signal acts
-    as it would without keras_dist.
+    set for the duration of `fit` only, on the main thread, and not in processes forked
+    meanwhile; elsewhere a signal acts as it would without keras_dist.
 
     Args:
         strategy: the active keras_dist strategy.
@@ -81,6 +99,7 @@ class PreemptionNotice(keras.callbacks.Callback):
         self._last_check, self._last_backup = (0, time.monotonic()), time.monotonic()
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._note) for sig in NOTICE_SIGNALS}
+            _REPLACED.update(self._previous)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._restore_handlers()
@@ -89,6 +108,7 @@ class PreemptionNotice(keras.callbacks.Callback):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        _REPLACED.clear()
 
     def _note(self, signum: int, frame: object) -> None:
         if self.received is not None:  # a second signal: at once, as without keras_dist
