@@ -179,7 +179,7 @@ class HorovodStrategy(Strategy):
             # soon as they exist, while the rest of the backward pass runs. By default
             # every gradient is a bucket, and Horovod's fusion buffer sends together those
             # ready in the same cycle (faster than fixed buckets or one collective after the
-            # backward pass on a slow link: bench/results/2026-11-24-cpu-2core.md, session 13).
+            # backward pass on a slow link: bench/results/2026-11-24-cpu-2core.md).
             runs = buckets([(g.shape.num_elements() or 0) * g.dtype.size for g in dense], [g.dtype for g in dense],
                            bucket_bytes(default=0))
             reduced = []
