@@ -71,18 +71,24 @@ def _launch(args):
     from keras_dist.launchers.nodes import Nodes, serve_directory
     from keras_dist.launchers.processes import BACKUP_DIR, RESTART
 
-    nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != 1 else None
+    nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != "1" else None
+    if nodes and nodes.elastic and _uses_directory(args.backend):
+        raise KerasDistError(f"--nnodes {args.nnodes} (an elastic job) runs on backends torch and jax; "
+                             f"backend {args.backend!r} needs a fixed --nnodes")
 
     def tasks_for(attempt):
+        placed = (nodes.assemble(attempt) if nodes.elastic else dataclasses.replace(nodes, attempt=attempt)) \
+            if nodes else None
         tasks = strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args],
-                                         dataclasses.replace(nodes, attempt=attempt) if nodes else None)
+                                         placed)
         for task in tasks:
             task.env[RESTART] = str(attempt)
             if args.backup_dir:
                 task.env[BACKUP_DIR] = os.path.abspath(args.backup_dir)
         return tasks
 
-    directory = serve_directory(nodes) if nodes and nodes.rank == 0 and _uses_directory(args.backend) else None
+    directory = (serve_directory(nodes) if nodes and nodes.rank == 0 and (nodes.elastic or _uses_directory(args.backend))
+                 else None)
     try:
         result = Job(tasks_for, args.max_restarts, args.grace_period).run()
     finally:
@@ -199,7 +205,9 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("-n", "--num-workers", type=int, default=2, help="training processes on this machine")
     launch.add_argument("--ps", type=int, default=0,
                         help="parameter-server tasks on this machine (parameter_server backend)")
-    launch.add_argument("--nnodes", type=int, default=1, help="machines in the job; run the same command on each")
+    launch.add_argument("--nnodes", default="1", help="machines in the job; run the same command on each. MIN:MAX "
+                                                      "(torch, jax): elastic, each restart goes on with the machines "
+                                                      "that answer, at least MIN")
     launch.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the master")
     launch.add_argument("--master-addr", help="HOST[:PORT] of machine 0 as every machine reaches it "
                                               "(default port 29400)")

@@ -11,7 +11,6 @@ worker host, servers that end with the chief), and `keras-dist launch --nnodes` 
 
 import json
 import os
-import re
 import signal
 import time
 
@@ -312,3 +311,49 @@ def test_keras_dist_launch_on_each_host_restarts_a_failed_job_which_ends_as_an_u
         resumed = len(result["history"]["loss"])  # the epochs of the last run
         assert resumed < 4
         assert_trains_like(result, {**expected, "history": {k: v[-resumed:] for k, v in expected["history"].items()}})
+
+
+def test_an_elastic_job_goes_on_with_the_host_that_remains_training_each_sample_once(debian_hosts):
+    """`keras-dist launch --nnodes 1:2 --max-restarts 1` on two hosts (PyTorch, arrays that
+    fit shuffles). In the second epoch the second host is lost, its launcher with it: the
+    first host's job restarts on itself alone (after `ELASTIC_WAIT_SECONDS` for the lost
+    one) and resumes from the chief's last backup, the rest of that epoch's samples split
+    over 1 process: by sample id, each sample of every epoch is trained exactly once."""
+    pytest.importorskip("torch")
+    bed = debian_hosts
+    worker = WORKERS / "resume.py"
+    commands = [[BIN / "keras-dist", "launch", "--backend", "torch", "-n", 1, "--nnodes", "1:2", "--node-rank", i,
+                 "--master-addr", "node0", "--max-restarts", 1, worker, OUT, "arrays", "--record-samples",
+                 "--step-seconds", "0.3"] for i in range(2)]
+    processes = start_on_hosts(bed, commands, [{"KERAS_BACKEND": "torch"}] * 2)
+    steps, deadline = bed.hosts[0].tmp / "out" / "steps.first", time.monotonic() + 240
+    while not steps.exists() or len(steps.read_text().splitlines()) < 15:  # epoch 2, after its first backup
+        assert time.monotonic() < deadline and all(p.poll() is None for p in processes), bed.output(processes[0])
+        time.sleep(0.05)
+    bed.kill(bed.hosts[1])
+    wait_for_the_end(bed, processes[:1], timeout=240)
+    out = bed.output(processes[0])
+    assert processes[0].returncode == 0, out[-4000:]
+    assert "attempt 0: 2 of 2 machines (node ranks 0, 1)" in out, out[-4000:]
+    assert "attempt 1: 1 of 2 machines (node ranks 0)" in out and "restart 1 of 1" in out, out[-4000:]
+
+    def trained(attempt, in_epoch, before_step=None):
+        ids = []
+        for host in bed.hosts:
+            for path in (host.tmp / "out").glob(f"samples.{attempt}.*"):
+                for line in path.read_text().splitlines():
+                    record_epoch, record_step, *samples = map(int, line.split())
+                    if record_epoch == in_epoch and (before_step is None or record_step < before_step):
+                        ids += samples
+        return sorted(ids)
+
+    everything = list(range(96))
+    # The rerun (one process, which logs nothing) starts in the epoch of the last backup, after
+    # its step: the first attempt's samples before that step and the rerun's make the epoch.
+    epoch = next(e for e in range(3) if trained("rerun", e))
+    for earlier in range(epoch):
+        assert trained("first", earlier) == everything
+    assert any(sorted(trained("first", epoch, step) + trained("rerun", epoch)) == everything for step in range(13)), \
+        (trained("first", epoch), trained("rerun", epoch))
+    for later in range(epoch + 1, 3):
+        assert trained("rerun", later) == everything

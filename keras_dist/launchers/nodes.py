@@ -1,5 +1,11 @@
 """A job on several machines: `keras-dist launch --nnodes N --node-rank I --master-addr HOST[:PORT]`.
 
+With `--nnodes MIN:MAX` the job is elastic: at each start and restart the machines that
+answer assemble at the master (`Nodes.assemble`), all MAX, or at least MIN after
+`ELASTIC_WAIT_SECONDS`, and the job runs on those, ranked in node-rank order; a machine
+that was lost is left out of the next restart, which resumes from the last backup on the
+processes now present. The master itself must stay: it holds the directory and the backup.
+
 The same command runs once on each machine. JAX and PyTorch need only the master's
 address (their coordinator, or torchrun's store, runs there). A `TF_CONFIG` names every
 task's address, which no machine knows of the others: machine 0's launcher serves a
@@ -7,6 +13,7 @@ small directory at the master's address, where each machine's launcher publishes
 address and ports and reads everyone's (`Nodes.exchange`), as torchrun's c10d store does.
 """
 
+import dataclasses
 import json
 import threading
 import time
@@ -21,6 +28,9 @@ from keras_dist.errors import KerasDistError
 DEFAULT_PORT = 29400
 # Seconds a machine waits for the others to join (they start by hand, or by a scheduler).
 JOIN_SECONDS = 600.0
+# Elastic jobs: seconds the master waits for machines beyond MIN before an attempt starts
+# without them (a lost machine never comes; a slow one joins the next restart).
+ELASTIC_WAIT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,8 @@ class Nodes:
         port: the master's port: the engine's coordinator (JAX, torchrun's store) or
             keras_dist's directory (TensorFlow's clusters).
         attempt: how many times the job has been restarted (`--max-restarts`).
+        min_count: the fewest machines an elastic job (`--nnodes MIN:MAX`) runs on; `count`
+            is then the most.
     """
 
     count: int
@@ -41,12 +53,17 @@ class Nodes:
     master: str
     port: int = DEFAULT_PORT
     attempt: int = 0
+    min_count: int | None = None
 
     @classmethod
-    def parse(cls, count: int, rank: int, master: str | None) -> "Nodes":
-        """From the command line, with one-line errors."""
-        if count < 1:
-            raise KerasDistError(f"--nnodes must be at least 1, got {count}")
+    def parse(cls, count: int | str, rank: int, master: str | None) -> "Nodes":
+        """From the command line (`count` as N or MIN:MAX), with one-line errors."""
+        least, _, most = str(count).partition(":")
+        if not (least.isdigit() and (most.isdigit() or not most)):
+            raise KerasDistError(f"--nnodes takes N or MIN:MAX, got {count!r}")
+        least, count = int(least), int(most or least)
+        if least < 1 or count < least:
+            raise KerasDistError(f"--nnodes must be at least 1 (MIN:MAX with MIN <= MAX), got {count if least == count else f'{least}:{count}'}")
         if not 0 <= rank < count:
             raise KerasDistError(f"--node-rank must be from 0 to {count - 1} with --nnodes {count}, got {rank}")
         if not master:
@@ -55,7 +72,12 @@ class Nodes:
         host, _, port = master.rpartition(":") if master.count(":") == 1 or master.startswith("[") else ("", "", "")
         if host and not port.isdigit():
             raise KerasDistError(f"--master-addr {master!r}: the port must be a number; write HOST:PORT")
-        return cls(count, rank, (host or master).strip("[]"), int(port) if host else DEFAULT_PORT)
+        return cls(count, rank, (host or master).strip("[]"), int(port) if host else DEFAULT_PORT,
+                   min_count=least if least < count else None)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_count is not None
 
     @property
     def address(self) -> str:
@@ -68,6 +90,51 @@ class Nodes:
     @property
     def master_address(self) -> str:
         return f"{self.master}:{self.port}"
+
+    def assemble(self, attempt: int) -> "Nodes | None":
+        """The machines of an elastic job's `attempt`, as this machine's place among them
+        (None: this machine alone); the engine's port moves on at each attempt, so that no
+        restart meets the last one's coordinator still closing.
+
+        Every machine announces itself at the master's directory; the master closes the
+        attempt once all have, or once at least `min_count` have and `ELASTIC_WAIT_SECONDS`
+        have passed, and publishes the members, which the others read.
+        """
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        url = f"http://{self.address if self.rank == 0 else self.master}:{self.port}"
+        started = time.monotonic()
+        members = None
+        while members is None:
+            try:
+                direct.open(urllib.request.Request(f"{url}/elastic-{attempt}/{self.rank}", data=b"{}", method="PUT"),
+                            timeout=10)
+                joined = sorted(int(r) for r in json.loads(direct.open(f"{url}/elastic-{attempt}", timeout=10).read()))
+                if self.rank == 0:
+                    waited = time.monotonic() - started
+                    if len(joined) == self.count or (len(joined) >= self.min_count and waited >= ELASTIC_WAIT_SECONDS):
+                        members = joined
+                        direct.open(urllib.request.Request(f"{url}/members-{attempt}/0", data=json.dumps(joined).encode(),
+                                                           method="PUT"), timeout=10)
+                else:
+                    published = json.loads(direct.open(f"{url}/members-{attempt}", timeout=10).read())
+                    members = published.get("0")
+            except (urllib.error.URLError, OSError):
+                pass  # the master's launcher is not up yet, or restarting
+            if members is None and time.monotonic() - started > JOIN_SECONDS:
+                raise KerasDistError(f"fewer than {self.min_count} machines joined at {self.master_address} within "
+                                     f"{JOIN_SECONDS:g} s; start `keras-dist launch --nnodes {self.min_count}:{self.count}"
+                                     f" ...` on more machines")
+            if members is None:
+                time.sleep(0.2)
+        if self.rank not in members:
+            raise KerasDistError(f"attempt {attempt} of the job started without this machine (node rank {self.rank}); "
+                                 "it joins when the job restarts: run the same command again then")
+        print(f"[keras-dist] attempt {attempt}: {len(members)} of {self.count} machines (node ranks "
+              f"{', '.join(map(str, members))})", flush=True)
+        if len(members) == 1:
+            return None
+        return dataclasses.replace(self, count=len(members), rank=members.index(self.rank), min_count=None,
+                                   port=self.port + 1 + attempt, attempt=attempt)
 
     def exchange(self, value: dict) -> list:
         """Publishes `value` for this machine and returns every machine's, in rank order.
