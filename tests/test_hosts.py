@@ -313,10 +313,12 @@ def test_keras_dist_launch_on_each_host_restarts_a_failed_job_which_ends_as_an_u
         assert_trains_like(result, {**expected, "history": {k: v[-resumed:] for k, v in expected["history"].items()}})
 
 
-def test_an_elastic_job_goes_on_with_the_host_that_remains_training_each_sample_once(debian_hosts):
+@pytest.mark.parametrize("loss", ["kill", "freeze"])
+def test_an_elastic_job_goes_on_with_the_host_that_remains_training_each_sample_once(debian_hosts, loss):
     """`keras-dist launch --nnodes 1:2 --max-restarts 1` on two hosts (PyTorch, arrays that
-    fit shuffles). In the second epoch the second host is lost, its launcher with it: the
-    first host's job restarts on itself alone (after `ELASTIC_WAIT_SECONDS` for the lost
+    fit shuffles). In the second epoch the second host is lost, its launcher with it
+    (killed, or frozen: then the step timeout, 10 s here, ends the first host's attempt):
+    the first host's job restarts on itself alone (after `ELASTIC_WAIT_SECONDS` for the lost
     one) and resumes from the chief's last backup, the rest of that epoch's samples split
     over 1 process: by sample id, each sample of every epoch is trained exactly once."""
     pytest.importorskip("torch")
@@ -325,12 +327,15 @@ def test_an_elastic_job_goes_on_with_the_host_that_remains_training_each_sample_
     commands = [[BIN / "keras-dist", "launch", "--backend", "torch", "-n", 1, "--nnodes", "1:2", "--node-rank", i,
                  "--master-addr", "node0", "--max-restarts", 1, worker, OUT, "arrays", "--record-samples",
                  "--step-seconds", "0.3"] for i in range(2)]
-    processes = start_on_hosts(bed, commands, [{"KERAS_BACKEND": "torch"}] * 2)
+    processes = start_on_hosts(bed, commands, [{"KERAS_BACKEND": "torch", "KERAS_DIST_STEP_TIMEOUT": "10"}] * 2)
     steps, deadline = bed.hosts[0].tmp / "out" / "steps.first", time.monotonic() + 240
     while not steps.exists() or len(steps.read_text().splitlines()) < 15:  # epoch 2, after its first backup
         assert time.monotonic() < deadline and all(p.poll() is None for p in processes), bed.output(processes[0])
         time.sleep(0.05)
-    bed.kill(bed.hosts[1])
+    if loss == "kill":
+        bed.kill(bed.hosts[1])
+    else:
+        bed.signal(bed.hosts[1], signal.SIGSTOP)
     wait_for_the_end(bed, processes[:1], timeout=240)
     out = bed.output(processes[0])
     assert processes[0].returncode == 0, out[-4000:]
@@ -357,3 +362,4 @@ def test_an_elastic_job_goes_on_with_the_host_that_remains_training_each_sample_
         (trained("first", epoch), trained("rerun", epoch))
     for later in range(epoch + 1, 3):
         assert trained("rerun", later) == everything
+    bed.kill(bed.hosts[1])
