@@ -68,6 +68,10 @@ def configure_logging(is_chief: bool) -> None:
 def announce(strategy: "Strategy") -> None:
     """The job's one summary line, from the chief of a job of several processes or replicas."""
     if strategy.size == 1 and strategy.num_replicas == 1:
+        if strategy.environment.name != "local":
+            # A launcher's job of one process (an elastic job down to one machine): its
+            # lines on resuming, without the summary line.
+            configure_logging(is_chief=True)
         return  # one plain process prints what it printed without keras_dist
     configure_logging(strategy.is_chief)
     environment = strategy.environment
