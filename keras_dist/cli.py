@@ -69,7 +69,7 @@ def _launch(args):
     _require_engine(args.backend)
     from keras_dist.launchers.agent import Job, JobState
     from keras_dist.launchers.nodes import Nodes, serve_directory
-    from keras_dist.launchers.processes import BACKUP_DIR, RESTART
+    from keras_dist.launchers.processes import BACKUP_DIR, ELASTIC, RESTART
 
     nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != "1" else None
     if nodes and nodes.elastic and _uses_directory(args.backend):
@@ -83,6 +83,8 @@ def _launch(args):
                                          placed)
         for task in tasks:
             task.env[RESTART] = str(attempt)
+            if nodes and nodes.elastic:
+                task.env[ELASTIC] = "1"
             if args.backup_dir:
                 task.env[BACKUP_DIR] = os.path.abspath(args.backup_dir)
         return tasks

@@ -66,6 +66,8 @@ VARIABLES = (
     # What keras_dist's launcher tells its tasks.
     Variable("KERAS_DIST_RESTART", "launcher", "count", "0",
              "which restart of the job (`keras-dist launch --max-restarts`) this task belongs to"),
+    Variable("KERAS_DIST_ELASTIC", "launcher", "0 or 1", "0",
+             "1: the job is elastic (`keras-dist launch --nnodes MIN:MAX`): a restart may run on another number of processes"),
     Variable("KERAS_DIST_LAUNCHER_PID", "launcher", "pid", "none",
              "the launcher's process; a task ends itself once it is gone"),
     Variable("KERAS_DIST_BIND_ADDRESS", "launcher", "IP address", "none",
@@ -146,6 +148,7 @@ class Settings:
     min_shard_bytes: int | None = None
     bind_all: bool = False
     restart: int = 0
+    elastic: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "Settings":
@@ -170,6 +173,7 @@ _READERS = {
     "min_shard_bytes": ("KERAS_DIST_MIN_SHARD_BYTES", _number(int, 1)),
     "bind_all": ("KERAS_DIST_BIND_ALL", _flag),
     "restart": ("KERAS_DIST_RESTART", _number(int, 0)),
+    "elastic": ("KERAS_DIST_ELASTIC", _flag),
 }
 
 

@@ -12,6 +12,7 @@ import keras_dist
 from keras_dist import strategies
 from keras_dist.inputs import arrays
 from keras_dist.environments import LocalEnvironment
+from keras_dist.launchers.processes import free_ports
 from keras_dist.errors import KerasDistError
 
 from runner import BIN, PYTHON, ROOT, run, selected_backend
@@ -155,6 +156,24 @@ def test_max_restarts_restarts_a_failed_job_and_says_when_fit_starts_over(tmp_pa
     assert code == 0, out[-3000:]
     assert out.count("restart 1 of 2") == 1 and "restart 2 of 2" not in out
     assert "this is restart 1 of the job and fit has no keras.callbacks.BackupAndRestore, so training starts over" in out
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_elastic_job_says_at_the_start_of_fit_when_its_input_cannot_resume_on_another_count(tmp_path, shuffle):
+    """`--nnodes 1:2` on one machine alone (the master starts without the second after its
+    wait): unshuffled arrays cannot resume on another number of processes, which the chief
+    says in one line before training; shuffled ones can, and nothing is said."""
+    script = tmp_path / "fits.py"
+    script.write_text("import keras, numpy as np, keras_dist\n"
+                      "model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+                      "keras_dist.compile(model, optimizer='sgd', loss='mse')\n"
+                      f"model.fit(np.ones((8, 2)), np.ones((8, 1)), epochs=1, shuffle={shuffle}, verbose=0)\n")
+    port = free_ports(1)[0]
+    code, out = run([BIN / "keras-dist", "launch", "--backend", "torch", "-n", 2, "--nnodes", "1:2", "--node-rank", 0,
+                     "--master-addr", f"127.0.0.1:{port}", script], timeout=240)
+    assert code == 0 and "attempt 0: 1 of 2 machines (node ranks 0)" in out, out[-3000:]
+    said = out.count("this elastic job (--nnodes MIN:MAX) cannot resume this fit on another number of processes")
+    assert said == (0 if shuffle else 1), out[-3000:]
 
 
 def test_backend_options_are_checked():

@@ -343,6 +343,7 @@ def test_an_elastic_job_goes_on_with_the_host_that_remains_training_each_sample_
     assert "attempt 0: 2 of 2 machines (node ranks 0, 1)" in out, out[-4000:]
     assert "attempt 1: 1 of 2 machines (node ranks 0)" in out and "restart 1 of 1" in out, out[-4000:]
     assert "the backup was written by 2 processes, this run has 1" in out, out[-4000:]
+    assert "cannot resume this fit on another number" not in out  # shuffled arrays can
 
     def trained(attempt, in_epoch, before_step=None):
         ids = []

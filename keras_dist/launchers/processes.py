@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
 # How many times `keras-dist launch --max-restarts` has restarted the job, in every task.
 RESTART = "KERAS_DIST_RESTART"
+# Set in every task of an elastic job (`--nnodes MIN:MAX`).
+ELASTIC = "KERAS_DIST_ELASTIC"
 # Where `keras-dist launch --backup-dir` backs up every fit of an unchanged script
 # (`keras_dist.fault_tolerance.resume.automatic_backup`).
 BACKUP_DIR = "KERAS_DIST_BACKUP_DIR"
