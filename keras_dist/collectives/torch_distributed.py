@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -137,13 +139,21 @@ class TorchDistributed(TorchTensors):
         return self._dist.all_reduce(tensor, async_op=True)
 
     def wait(self, handle: Any, tensor: Any) -> Any:
-        try:
+        with self._peers_answer():
             handle.wait()
-        except RuntimeError as exc:  # a peer timed out or closed its connection
+        return tensor
+
+    @contextlib.contextmanager
+    def _peers_answer(self) -> Iterator[None]:
+        """Turns a collective that failed because a peer timed out or closed its connection
+        into one `PeerFailure` line (where keras_dist started the process group: its store
+        tells who stopped), instead of torch's traceback."""
+        try:
+            yield
+        except RuntimeError as exc:
             if self._store is None:
                 raise
             raise self._who_stopped(exc) from None
-        return tensor
 
     def _who_stopped(self, error: Exception) -> PeerFailure:
         """A failed collective's account, naming the processes that stopped.
@@ -176,24 +186,29 @@ class TorchDistributed(TorchTensors):
                            "chief's own work between steps takes that long", cause=cause)
 
     def min(self, tensor: Any) -> Any:
-        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN)
+        with self._peers_answer():
+            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN)
         return tensor
 
     def broadcast_(self, tensor: Any, root: int) -> None:
-        self._dist.broadcast(tensor, src=root)
+        with self._peers_answer():
+            self._dist.broadcast(tensor, src=root)
 
     def _allgather_object(self, obj: Any) -> list:
         gathered = [None] * self.size
-        self._dist.all_gather_object(gathered, obj)
+        with self._peers_answer():
+            self._dist.all_gather_object(gathered, obj)
         return gathered
 
     def _broadcast_object(self, obj: Any, root: int) -> Any:
         box = [obj]
-        self._dist.broadcast_object_list(box, src=root)
+        with self._peers_answer():
+            self._dist.broadcast_object_list(box, src=root)
         return box[0]
 
     def _barrier(self) -> None:
-        self._dist.barrier()
+        with self._peers_answer():
+            self._dist.barrier()
 
 
 def _destroy_process_group(dist: Any) -> None:

@@ -1,10 +1,12 @@
 """Trains with `BackupAndRestore(BACKUP_DIR, save_freq=10)`; a backup is about 1 MB (Adam's slots too).
 
-    python disk_full.py BACKUP_DIR [--logs DIR] [--remove-backup-dir-at STEP]
+    python disk_full.py BACKUP_DIR [--logs DIR] [--remove-backup-dir-at STEP] [--checkpoints DIR] [--no-backup]
 
 `--logs DIR` adds a `CSVLogger` and a `TensorBoard` writing under DIR. `--remove-backup-dir-at
 STEP` removes BACKUP_DIR (on the chief, as a clean-up job on its machine would) once
-training reaches that step of the first epoch.
+training reaches that step of the first epoch. `--checkpoints DIR` adds a `ModelCheckpoint`
+of the weights every 10 steps, a file each (about 0.3 MB). `--no-backup` leaves the script
+without its `BackupAndRestore` (`keras-dist launch --backup-dir` gives one).
 """
 
 import argparse
@@ -20,6 +22,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("backup_dir")
 parser.add_argument("--logs")
 parser.add_argument("--remove-backup-dir-at", type=int)
+parser.add_argument("--checkpoints")
+parser.add_argument("--no-backup", action="store_true")
 args = parser.parse_args()
 
 
@@ -35,7 +39,11 @@ x = rng.normal(size=(2048, 64)).astype("float32")
 y = rng.integers(0, 10, 2048)
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)])
 keras_dist.compile(model, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-callbacks = [keras.callbacks.BackupAndRestore(args.backup_dir, save_freq=10, delete_checkpoint=False)]
+callbacks = [] if args.no_backup else [keras.callbacks.BackupAndRestore(args.backup_dir, save_freq=10,
+                                                                        delete_checkpoint=False)]
+if args.checkpoints:
+    callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(args.checkpoints, "{epoch}-{batch}.weights.h5"),
+                                                     save_freq=10, save_weights_only=True))
 if args.logs:
     callbacks += [keras.callbacks.CSVLogger(os.path.join(args.logs, "log.csv")),
                   keras.callbacks.TensorBoard(os.path.join(args.logs, "tensorboard"), update_freq=5)]
