@@ -63,7 +63,8 @@ class Nodes:
             raise KerasDistError(f"--nnodes takes N or MIN:MAX, got {count!r}")
         least, count = int(least), int(most or least)
         if least < 1 or count < least:
-            raise KerasDistError(f"--nnodes must be at least 1 (MIN:MAX with MIN <= MAX), got {count if least == count else f'{least}:{count}'}")
+            given = count if least == count else f"{least}:{count}"
+            raise KerasDistError(f"--nnodes must be at least 1 (MIN:MAX with MIN <= MAX), got {given}")
         if not 0 <= rank < count:
             raise KerasDistError(f"--node-rank must be from 0 to {count - 1} with --nnodes {count}, got {rank}")
         if not master:
@@ -100,24 +101,18 @@ class Nodes:
         attempt once all have, or once at least `min_count` have and `ELASTIC_WAIT_SECONDS`
         have passed, and publishes the members, which the others read.
         """
-        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        url = f"http://{self.address if self.rank == 0 else self.master}:{self.port}"
         started = time.monotonic()
         members = None
         while members is None:
             try:
-                direct.open(urllib.request.Request(f"{url}/elastic-{attempt}/{self.rank}", data=b"{}", method="PUT"),
-                            timeout=10)
-                joined = sorted(int(r) for r in json.loads(direct.open(f"{url}/elastic-{attempt}", timeout=10).read()))
+                joined = sorted(int(r) for r in self._publish(f"elastic-{attempt}", {}))
                 if self.rank == 0:
                     waited = time.monotonic() - started
                     if len(joined) == self.count or (len(joined) >= self.min_count and waited >= ELASTIC_WAIT_SECONDS):
                         members = joined
-                        direct.open(urllib.request.Request(f"{url}/members-{attempt}/0", data=json.dumps(joined).encode(),
-                                                           method="PUT"), timeout=10)
+                        self._publish(f"members-{attempt}", joined)
                 else:
-                    published = json.loads(direct.open(f"{url}/members-{attempt}", timeout=10).read())
-                    members = published.get("0")
+                    members = self._read(f"members-{attempt}").get("0")
             except (urllib.error.URLError, OSError):
                 pass  # the master's launcher is not up yet, or restarting
             if members is None and time.monotonic() - started > JOIN_SECONDS:
@@ -141,15 +136,10 @@ class Nodes:
 
         Machine 0 serves the directory until its launcher ends (`serve_directory`).
         """
-        # Machine 0 by the address it serves on: its own name may resolve to loopback there.
-        url = f"http://{self.address if self.rank == 0 else self.master}:{self.port}/{self.attempt}"
-        body = json.dumps(value).encode()
-        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
         deadline = time.monotonic() + JOIN_SECONDS
         while True:
             try:
-                direct.open(urllib.request.Request(f"{url}/{self.rank}", data=body, method="PUT"), timeout=10)
-                found = json.loads(direct.open(url, timeout=10).read())
+                found = self._publish(str(self.attempt), value)
                 if len(found) == self.count:
                     return [found[str(rank)] for rank in range(self.count)]
             except (urllib.error.URLError, OSError):
@@ -159,6 +149,25 @@ class Nodes:
                                      f"`keras-dist launch --nnodes {self.count} --node-rank I --master-addr "
                                      f"{self.master_address} ...` on each machine, I from 0 to {self.count - 1}")
             time.sleep(0.2)
+
+    def _publish(self, key: str, value: object) -> dict:
+        """Puts this machine's `value` under `key` in machine 0's directory; returns every
+        machine's there, by rank (as text)."""
+        body = json.dumps(value).encode()
+        _DIRECT.open(urllib.request.Request(f"{self._directory}/{key}/{self.rank}", data=body, method="PUT"), timeout=10)
+        return self._read(key)
+
+    def _read(self, key: str) -> dict:
+        return json.loads(_DIRECT.open(f"{self._directory}/{key}", timeout=10).read())
+
+    @property
+    def _directory(self) -> str:
+        # Machine 0 by the address it serves on: its own name may resolve to loopback there.
+        return f"http://{self.address if self.rank == 0 else self.master}:{self.port}"
+
+
+# The directory is on the cluster's own network: never through a proxy.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
