@@ -118,8 +118,8 @@ class DistributedTraining:
         if settings.current().elastic and self.strategy.is_chief and (position is None or position.resizable is None):
             # Said now, while every machine is there, not at the restart that would need it.
             logger.warning("keras_dist: this elastic job (--nnodes MIN:MAX) cannot resume this fit on another number of "
-                           "processes: only NumPy arrays that fit shuffles can; a restart on fewer or more machines "
-                           "stops in one line. Pass arrays with shuffle=True, or use a fixed --nnodes")
+                           "processes, and a restart on fewer or more machines stops in one line: keras_dist resumes "
+                           "%s. Pass one of those, or use a fixed --nnodes", resume.RESIZABLE_INPUTS)
         if position is not None and backup is not None:
             runs_backup = resume.backup_of(arguments["callbacks"])
             point = resume.ResumePoint(self.strategy, runs_backup or backup, position, script_callbacks,

@@ -188,7 +188,7 @@ def test_a_shuffle_behind_a_cache_stays_and_shuffles_each_shard():
 
 
 def test_shuffled_arrays_and_py_datasets_split_one_global_permutation_per_epoch():
-    from keras_dist.fault_tolerance.resume import EpochPosition
+    from keras_dist.inputs.position import EpochPosition
     from keras_dist.inputs.arrays import EpochRows
 
     position = EpochPosition(seed=11)

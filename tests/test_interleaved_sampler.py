@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from torch.utils import data  # noqa: E402
 
-from keras_dist.fault_tolerance.resume import EpochPosition  # noqa: E402
+from keras_dist.inputs.position import EpochPosition  # noqa: E402
 from keras_dist.inputs.data_loader import InterleavedSampler, shard_data_loader, shuffles  # noqa: E402
 
 SIZES = [*range(10), 37]
@@ -190,7 +190,8 @@ def test_the_epoch_resumed_starts_at_its_next_step_and_later_ones_whole(num_shar
         uninterrupted = read_epochs(shard_loader(37, num_shards, index, **kwargs))
         steps = uninterrupted[1][1]
         for skip in range(steps + 1):
-            position = EpochPosition(seed=SEED, resume_epoch=1, skip=skip)
+            # The samples done: each step takes the batch of 2 of 2 replicas on every shard.
+            position = EpochPosition(seed=SEED, resume_epoch=1, skip=skip, skip_samples=skip * 4 * num_shards)
             resumed = read_epochs(shard_loader(37, num_shards, index, position=position, **kwargs), 2)
             assert resumed[0] == (uninterrupted[1][0][skip:], steps), (index, skip)
             assert resumed[1] == uninterrupted[2], (index, skip)

@@ -291,15 +291,16 @@ def trained_samples(directory, attempt, epoch, before_step=None):
     return sorted(ids)
 
 
-@pytest.mark.parametrize("first, rerun, kill_at, epoch, steps_done", [
-    ("launch_2", "one", 14, 0, 10),   # 2 -> 1: the backup after 10 of epoch 1's 12 steps
-    ("one", "launch_2", 30, 1, 6),    # 1 -> 2: after 6 of epoch 2's 24 steps
+@pytest.mark.parametrize("data, first, rerun, kill_at, epoch, steps_done", [
+    ("arrays", "launch_2", "one", 14, 0, 10),       # 2 -> 1: the backup after 10 of epoch 1's 12 steps
+    ("py_dataset", "one", "launch_2", 30, 1, 6),    # 1 -> 2: after 6 of epoch 2's 24 steps
+    ("data_loader", "launch_2", "one", 14, 0, 10),
 ])
-def test_a_backup_restores_on_another_process_count_training_each_sample_once(tmp_path, first, rerun, kill_at,
+def test_a_backup_restores_on_another_process_count_training_each_sample_once(tmp_path, data, first, rerun, kill_at,
                                                                              epoch, steps_done):
     """The batch size per replica stays; the rest of the interrupted epoch's order is split
     among the processes of the rerun, so no sample is skipped or trained twice (by ids)."""
-    argv = [WORKER, tmp_path, "arrays", "--record-samples", "--kill-at", kill_at]
+    argv = [WORKER, tmp_path, data, "--record-samples", "--kill-at", kill_at]
     env = {"KERAS_BACKEND": "torch"}
     code, out = runner.run(command(first, argv), 240, env)
     assert code != 0 and (tmp_path / "killed").exists(), out[-3000:]

@@ -22,7 +22,6 @@ start there without reading what came before (`EpochPosition.sources_skip`); oth
 
 import contextlib
 import csv
-import dataclasses
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ import keras
 import numpy as np
 
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
+from keras_dist.inputs.position import EpochPosition
 from keras_dist import settings
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import methods_while, override
@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("keras_dist")
 
+# The inputs a backup resumes on another number of processes (`EpochPosition.resizable`).
+RESIZABLE_INPUTS = ("NumPy arrays, a keras.utils.PyDataset of known length and a torch DataLoader keras_dist "
+                    "splits (without drop_last), with fit's steps_per_epoch unset")
 # The key of keras_dist's part of Keras's `training_metadata.json`.
 METADATA_KEY = "keras_dist"
 # The state of Keras callbacks that counts across epochs, restored on resume. ModelCheckpoint's
@@ -56,59 +59,6 @@ _CALLBACK_STATE = {
     # Its batch-level summaries' step: from 0 again, a restarted job's curves went back in time.
     keras.callbacks.TensorBoard: ("_global_train_batch",),
 }
-
-
-@dataclasses.dataclass
-class EpochPosition:
-    """Where one `fit` stands: shared by `ResumePoint` and the inputs keras_dist orders.
-
-    Args:
-        seed: the job's seed for the epochs' orders, the same on every process.
-        epoch: the epoch under way.
-        resume_epoch: the epoch a restarted fit resumes inside (-1: none).
-        skip: the steps of `resume_epoch` that Keras's loop leaves out (those done before
-            the restart, counted on this run's process count).
-        skip_samples: the samples of `resume_epoch`'s order done before the restart.
-        sources_skip: the training input starts `resume_epoch` after them itself;
-            otherwise the consumed batches are read and dropped.
-        resizable: the training input can resume on another number of processes (it
-            splits the rest of the epoch's order anew: `keras_dist.inputs.arrays.EpochRows`).
-        step_samples: the samples one step takes over all processes, where known.
-    """
-
-    seed: int
-    epoch: int = 0
-    resume_epoch: int = -1
-    skip: int = 0
-    skip_samples: int = 0
-    sources_skip: bool = False
-    resizable: Any = None
-    step_samples: int | None = None
-    # Iterations over the training input begun since training began (`next_iteration`).
-    iterations: int = 0
-
-    def first_step(self, epoch: int) -> int:
-        """The step `epoch` starts at: `skip` in the epoch resumed, else 0."""
-        return self.skip if epoch == self.resume_epoch else 0
-
-    def first_sample(self, epoch: int) -> int:
-        """The place in `epoch`'s order it starts at: `skip_samples` in the epoch resumed, else 0."""
-        return self.skip_samples if epoch == self.resume_epoch else 0
-
-    def order(self, epoch: int, length: int) -> np.ndarray:
-        """Epoch `epoch`'s permutation of `length` samples (or batches): a function of the seed and epoch alone."""
-        return np.random.default_rng([self.seed, epoch]).permutation(length)
-
-    def next_iteration(self) -> int:
-        """The epoch of an iteration over the training input begun now.
-
-        For inputs that begin an epoch's iteration before its `on_epoch_begin` (a
-        `DataLoader` with workers starts the next epoch's as the last one ends): the
-        k-th iteration since training began is epoch `resume_epoch + k`.
-        """
-        epoch = max(self.resume_epoch, 0) + self.iterations
-        self.iterations += 1
-        return epoch
 
 
 class FollowEpochs(keras.callbacks.Callback):
@@ -214,17 +164,21 @@ class ResumePoint(keras.callbacks.Callback):
         position.seed = state["seed"]
         epoch, steps = state["epoch"], state["steps"]
         shards = self.strategy.input_plan.num_shards
-        position.resume_epoch, position.skip, position.skip_samples = epoch, steps, state.get("samples") or 0
+        samples = state.get("samples")
+        position.resume_epoch, position.skip = epoch, steps
+        # (A backup without the count, written before keras_dist kept it, on the same count.)
+        position.skip_samples = samples if samples is not None else steps * (position.step_samples or 0)
         if state.get("shards", shards) != shards:
-            if position.resizable is None or state.get("samples") is None:
+            resizable = position.resizable
+            if resizable is None or samples is None:
                 raise KerasDistError(
                     f"the backup in {self.backup.backup_dir} was written by {state['shards']} processes; resume it on "
-                    f"{state['shards']} (on another number, keras_dist resumes only arrays that fit shuffles)")
-            position.skip = position.resizable.steps - position.resizable.steps_after(state["samples"])
+                    f"{state['shards']} (on another number, keras_dist resumes {RESIZABLE_INPUTS})")
+            position.skip = resizable.steps - resizable.steps_after(samples)
             if self.strategy.is_chief:
                 logger.info("keras_dist: the backup was written by %s processes, this run has %s: the batch size per "
-                            "replica stays, the rest of epoch %s (%s samples) is split among them",
-                            state["shards"], shards, epoch + 1, position.resizable.length - state["samples"])
+                            "replica stays, the rest of epoch %s (%s %s) is split among them",
+                            state["shards"], shards, epoch + 1, resizable.length - samples, resizable.unit)
         self.model._initial_epoch = epoch
         self._last_step = steps - 1
         self._restored_metrics = state["metrics"] if steps else None

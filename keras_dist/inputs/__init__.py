@@ -33,10 +33,10 @@ import keras
 import numpy as np
 from keras import tree
 
-from keras_dist.fault_tolerance.resume import EpochPosition
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs import arrays
 from keras_dist.inputs.generators import GeneratorShare, reassemble
+from keras_dist.inputs.position import EpochPosition
 from keras_dist.inputs.py_dataset import ShardedPyDataset
 
 if TYPE_CHECKING:
@@ -97,14 +97,15 @@ class Inputs:
 
 def fit(strategy: "Strategy", data: Inputs, validation_data: Any = None, validation_split: float = 0.0,
         validation_batch_size: int | None = None, validation_steps: int | None = None,
-        position: "EpochPosition | None" = None, shuffle: bool | str = False) -> tuple[Inputs, Inputs | None]:
+        position: EpochPosition | None = None, shuffle: bool | str = False) -> tuple[Inputs, Inputs | None]:
     """This process's training input (padded to equal steps) and validation input (None: none).
 
     With `position` (a fit that may resume inside an epoch, `keras_dist.fault_tolerance.resume`,
-    or that several processes run), inputs whose order keras_dist can draw (arrays that
-    `shuffle`, a PyDataset of known length, a DataLoader it splits) are ordered by it, one
-    global permutation per shuffled epoch, and start an epoch resumed at its next step
-    themselves (`Inputs.ordered`, `EpochPosition.sources_skip`).
+    or that several processes run), inputs whose order keras_dist can draw (arrays, a
+    PyDataset of known length, a DataLoader it splits) are ordered by it, one global
+    permutation per shuffled epoch, and start an epoch resumed after the part done
+    themselves (`Inputs.ordered`, `EpochPosition.sources_skip`), on any process count
+    (`EpochPosition.resizable`).
     """
     if validation_split and validation_data is None and arrays.is_array_input(data.x):
         data, validation_data = _hold_out(data, validation_split)
@@ -189,7 +190,7 @@ def _hold_out(data: Inputs, fraction: float) -> tuple[Inputs, tuple]:
     return dataclasses.replace(data, x=kept[0], y=kept[1], sample_weight=kept[2]), held
 
 
-def _ordered(strategy, data: Inputs, position: "EpochPosition", shuffle: bool | str) -> Inputs | None:
+def _ordered(strategy, data: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
     """This process's training share of `data`, ordered by keras_dist (a fit that may resume
     inside an epoch, or that several processes run): each epoch that `fit` shuffles is one
     permutation of the whole input, drawn from the job's seed and the epoch, split
@@ -204,14 +205,14 @@ def _ordered(strategy, data: Inputs, position: "EpochPosition", shuffle: bool | 
         if data_loader.is_split(x):
             return None
         x = _split_data_loader(strategy, x, True, position)
-    elif x is not None and arrays.is_array_input(x) and shuffle and (shuffle != "batch" or plan.num_shards > 1):
+    elif x is not None and arrays.is_array_input(x) and (shuffle != "batch" or plan.num_shards > 1):
         # Under several processes "batch" (Keras: shuffle within batch-sized chunks) draws one
         # global permutation too: any order kept inside a chunk gives each shard a fixed stride.
         parts = {"x": x, "y": data.y, "sample_weight": data.sample_weight}
         if arrays.num_samples(parts) == 0:
             return None
         x = arrays.EpochRows(parts, plan.num_shards, plan.shard_index, (data.batch_size or 32) * plan.batch_multiplier,
-                             position)
+                             position, shuffle=bool(shuffle))
     else:
         return None
     position.sources_skip = True
@@ -293,7 +294,7 @@ def _split_generator(strategy, data: Inputs, pad: bool, purpose: str) -> Inputs:
                                generator_share=share if purpose == "predict" else None)
 
 
-def _split_data_loader(strategy, loader, pad: bool, position: "EpochPosition | None" = None):
+def _split_data_loader(strategy, loader, pad: bool, position: EpochPosition | None = None):
     from keras_dist.inputs import data_loader
 
     if data_loader.is_split(loader):

@@ -18,9 +18,9 @@ from keras import tree
 
 from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
+from keras_dist.inputs.position import EpochPosition, rest_of_order, steps_left
 
 if TYPE_CHECKING:
-    from keras_dist.fault_tolerance.resume import EpochPosition
     from keras_dist.strategies.base import Strategy
 
 
@@ -83,11 +83,11 @@ class EpochRows(keras.utils.PyDataset):
 
     Keras's array adapter shuffles with its backend's global random state, which a
     restarted process cannot bring back. Here epoch e's order is `position.order(e)`, of
-    the seed and the epoch alone, split as `shard_rows` splits rows (so N replicas at batch
-    B still see what one process at N*B does). The epoch resumed goes on after the samples
-    done (`EpochPosition.first_sample`) without reading them: the rest of its order, padded
-    from the order's start, is split among this run's processes, however many there were
-    before.
+    the seed and the epoch alone (or the arrays' own order, unshuffled), split as
+    `shard_rows` splits rows (so N replicas at batch B still see what one process at N*B
+    does). The epoch resumed goes on after the samples done (`EpochPosition.first_sample`)
+    without reading them: the rest of its order is split among this run's processes,
+    however many there were before (`rest_of_order`).
 
     Args:
         data: the arrays, as a dict `x`, `y`, `sample_weight` (None leaves kept out).
@@ -95,21 +95,23 @@ class EpochRows(keras.utils.PyDataset):
         index: this process's shard.
         batch_size: this process's batch size.
         position: the fit's `EpochPosition`.
+        shuffle: a new order each epoch; else the arrays' order every epoch.
     """
 
-    def __init__(self, data: dict, num_shards: int, index: int, batch_size: int, position: "EpochPosition") -> None:
+    unit = "samples"
+
+    def __init__(self, data: dict, num_shards: int, index: int, batch_size: int, position: EpochPosition,
+                 shuffle: bool = True) -> None:
         super().__init__()
         self.data, self.num_shards, self.index, self.batch_size = data, num_shards, index, batch_size
-        self.position = position
+        self.position, self.shuffle = position, shuffle
         self.length = num_samples(data)
         self.steps = self.steps_after(0)
         self._rows: tuple[tuple[int, int], np.ndarray] | None = None
         position.resizable, position.step_samples = self, batch_size * num_shards
 
-    def steps_after(self, samples: int) -> int:
-        """The steps of an epoch that starts after `samples` of its order."""
-        per_shard = -(-(self.length - samples) // self.num_shards)
-        return -(-per_shard // self.batch_size)
+    def steps_after(self, done: int) -> int:
+        return steps_left(self.length, done, self.num_shards, self.batch_size)
 
     @property
     def num_batches(self) -> int:
@@ -121,10 +123,8 @@ class EpochRows(keras.utils.PyDataset):
         # the model from one) saw it start at 0.
         key = (epoch, self.position.first_sample(epoch))
         if self._rows is None or self._rows[0] != key:
-            order = self.position.order(epoch, self.length)
-            rest = order[key[1]:]
-            rest = np.concatenate([rest, order[:(-len(rest)) % self.num_shards]])
-            self._rows = key, rest[self.index::self.num_shards]
+            order = self.position.order(epoch, self.length) if self.shuffle else np.arange(self.length)
+            self._rows = key, rest_of_order(order, key[1], self.num_shards)[self.index::self.num_shards]
         rows = self._rows[1]
         # Beyond the epoch's batches only where a prefetch reads ahead: wrapped, never used.
         step %= -(-len(rows) // self.batch_size)

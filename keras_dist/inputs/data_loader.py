@@ -10,14 +10,11 @@ around, as `DistributedSampler` pads; evaluation and prediction shards are not.
 Imported only where the input is a `DataLoader` (so torch is installed).
 """
 
-from typing import TYPE_CHECKING
-
+import numpy as np
 from torch.utils import data
 
 from keras_dist.errors import KerasDistError
-
-if TYPE_CHECKING:
-    from keras_dist.fault_tolerance.resume import EpochPosition
+from keras_dist.inputs.position import EpochPosition, rest_of_order, steps_left
 
 
 class InterleavedSampler(data.Sampler):
@@ -30,38 +27,46 @@ class InterleavedSampler(data.Sampler):
         pad: repeat samples from the start so every shard has the same length.
         position: the fit's `EpochPosition` (None: the dataset's order, every epoch from
             its start). Each iteration takes the next epoch's (`next_iteration`); the
-            epoch a fit resumes inside starts at its next batch.
+            epoch a fit resumes inside starts after the samples done, the rest split
+            among this run's shards, however many there were before: with padding, the
+            sampler is the position's `resizable`.
         shuffle: each epoch in `position`'s permutation for it, the same on every process.
-        batch_size: the loader's batch size, for the batches an epoch resumed skips.
+        batch_size: the loader's batch size, by which an epoch counts its steps.
 
     Unpadded, a shard with no sample of its own (fewer samples than shards) gives the
     first sample as a stand-in (`stand_in`), which keras_dist does not count.
     """
 
-    def __init__(self, length: int, num_shards: int, index: int, pad: bool, position: "EpochPosition | None" = None,
+    unit = "samples"
+
+    def __init__(self, length: int, num_shards: int, index: int, pad: bool, position: EpochPosition | None = None,
                  shuffle: bool = False, batch_size: int = 1):
         super().__init__()
         self.length, self.num_shards, self.index, self.pad = length, num_shards, index, pad
         self.position, self.shuffle, self.batch_size = position, shuffle, batch_size
         self.stand_in = not pad and 0 < length <= index
 
+    @property
+    def steps(self) -> int:
+        return self.steps_after(0)
+
+    def steps_after(self, done: int) -> int:
+        return steps_left(self.length, done, self.num_shards, self.batch_size)
+
     def __iter__(self):
-        first = 0
-        if self.position is None:
-            order = list(range(self.length))
-        else:
+        done, order = 0, np.arange(self.length)
+        if self.position is not None:
             # Counted, not read from the epoch under way: a loader with workers begins the
             # next epoch's iteration as the last one ends.
             epoch = self.position.next_iteration()
-            order = self.position.order(epoch, self.length).tolist() if self.shuffle else list(range(self.length))
-            first = self.position.first_step(epoch) * self.batch_size
+            if self.shuffle:
+                order = self.position.order(epoch, self.length)
+            done = self.position.first_sample(epoch)
         if self.stand_in:
-            return iter(order[:1])
-        if self.pad and self.length:
-            # Repeated as often as needed: with fewer samples than shards, more than once.
-            padded = -(-self.length // self.num_shards) * self.num_shards
-            order = (order * -(-padded // self.length))[:padded]
-        return iter(order[self.index::self.num_shards][first:])
+            return iter(order[:1].tolist())
+        if self.pad:  # training; evaluation and prediction never resume (done is 0)
+            order = rest_of_order(order, done, self.num_shards)
+        return iter(order[self.index::self.num_shards].tolist())
 
     def __len__(self) -> int:
         if self.stand_in:
@@ -113,6 +118,10 @@ def shard_data_loader(loader: data.DataLoader, num_shards: int, index: int, pad:
     shuffle = shuffles(loader)  # first: a one-line error for a loader that cannot be split
     batch_size = loader.batch_size * batch_multiplier
     sampler = InterleavedSampler(len(loader.dataset), num_shards, index, pad, position, shuffle, batch_size)
+    if position is not None and pad:
+        position.step_samples = batch_size * num_shards
+        if not loader.drop_last:  # another count would drop other samples at the epoch's end
+            position.resizable = sampler
     return data.DataLoader(
         loader.dataset, batch_size=batch_size, sampler=sampler,
         num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,

@@ -1,15 +1,11 @@
 """`keras.utils.PyDataset` sharding: each process loads only its share of the batches."""
 
-from typing import TYPE_CHECKING
-
 import keras
 import numpy as np
 from keras import tree
 
 from keras_dist.errors import KerasDistError
-
-if TYPE_CHECKING:
-    from keras_dist.fault_tolerance.resume import EpochPosition
+from keras_dist.inputs.position import EpochPosition, steps_left
 
 
 class ShardedPyDataset(keras.utils.PyDataset):
@@ -37,17 +33,19 @@ class ShardedPyDataset(keras.utils.PyDataset):
             that are collectives).
         contiguous: consecutive runs of batches instead of interleaved ones; needs a
             known length.
-        position: for a `fit` that keras_dist orders (a known length): the fit's
-            `EpochPosition`, which starts an epoch resumed at its next step and, with
-            `shuffle`, orders each epoch's batches: one permutation of all the script's
-            batches, split as above, so no shard keeps a fixed stride of them (Keras's
-            shuffle draws from Python's global random state, which a restarted process
-            cannot bring back, and would only reorder this shard's own).
+        position: for a `fit` that keras_dist orders (a known length, padded): the fit's
+            `EpochPosition`, which starts an epoch resumed after the script's batches
+            done, the rest split among this run's processes (however many there were
+            before: the PyDataset is the position's `resizable`, its unit a batch) and,
+            with `shuffle`, orders each epoch's batches: one permutation of all the
+            script's batches, split as above, so no shard keeps a fixed stride of them
+            (Keras's shuffle draws from Python's global random state, which a restarted
+            process cannot bring back, and would only reorder this shard's own).
         shuffle: the script's `fit(shuffle=...)`, taken over with `position`.
     """
 
     def __init__(self, dataset: keras.utils.PyDataset, num_shards: int, index: int, pad: bool, batch_multiplier: int = 1,
-                 contiguous: bool = False, equal_steps: bool = True, position: "EpochPosition | None" = None,
+                 contiguous: bool = False, equal_steps: bool = True, position: EpochPosition | None = None,
                  shuffle: bool = False) -> None:
         super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
                          max_queue_size=dataset.max_queue_size)
@@ -63,19 +61,27 @@ class ShardedPyDataset(keras.utils.PyDataset):
             # This shard's own steps; at least one, as Keras cannot evaluate an empty PyDataset.
             steps = max(1, min(steps, -(-(total - self.first) // self.per_step)))
         self.steps = steps
+        self.length = total  # the units of a resizable epoch (the script's batches)
         self._order: tuple[int, np.ndarray] | None = None
+        if position is not None:
+            position.resizable, position.step_samples = self, self.per_step
+
+    unit = "batches"
+
+    def steps_after(self, done: int) -> int:
+        return steps_left(self.length, done, self.per_step, 1)
 
     @property
     def num_batches(self) -> int | None:
         return self.steps
 
     def __getitem__(self, step):
-        total = self.dataset.num_batches
+        total, start = self.dataset.num_batches, 0
         if self.position is not None:
-            epoch = self.position.epoch
+            start = self.position.first_sample(self.position.epoch)
             # Beyond the epoch's steps only where a prefetch reads ahead: wrapped, never used.
-            step = (step + self.position.first_step(epoch)) % self.steps
-        wanted = [step * self.per_step + self.first + j for j in range(self.own)]
+            step %= max(1, self.steps_after(start))
+        wanted = [start + step * self.per_step + self.first + j for j in range(self.own)]
         if self.stand_in:
             wanted = [0]
         elif total is not None:
