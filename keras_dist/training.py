@@ -99,7 +99,8 @@ class DistributedTraining:
         # wherever several processes read: each epoch's shards are then parts of one global
         # permutation, not fixed strides of the data (issue 47).
         orders = keras_loop and (backup is not None or self.strategy.input_plan.num_shards > 1)
-        position = resume.EpochPosition(seed=inputs.job_seed(self.strategy)) if orders else None
+        position = (resume.EpochPosition(seed=inputs.job_seed(self.strategy), elastic=settings.current().elastic)
+                    if orders else None)
         # One process without a backup keeps the signals' own effect, as without keras_dist.
         notice = None
         if keras_loop and (position is not None or self.strategy.size > 1):
@@ -112,7 +113,7 @@ class DistributedTraining:
             arguments["shuffle"] = False
         self.stand_in_validation = validation is not None and validation.stand_in
         if validation is not None:
-            arguments.update(validation_data=validation.as_validation_data(), validation_split=0.0)
+            arguments.update(validation_data=inputs.as_validation_data(validation), validation_split=0.0)
             if arguments["validation_batch_size"] is not None:
                 arguments["validation_batch_size"] = validation.batch_size
         if settings.current().elastic and self.strategy.is_chief and (position is None or position.resizable is None):

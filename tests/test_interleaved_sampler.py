@@ -3,7 +3,7 @@
 Each shard is the loader `shard_data_loader` builds from a script's loader over a dataset
 whose sample i is i, so the indices a shard reads are the batches it yields. Shards of one
 call get their own `EpochPosition` with the same seed, as the processes of a job do
-(`keras_dist.inputs._split_data_loader` gives a shuffling loader one). Checked over
+(`keras_dist.inputs.data_loader._share` gives a shuffling loader one). Checked over
 dataset sizes 0..9 and 37, 1..4 shards, shuffle on and off, training (padded) and
 evaluation (not), drop_last, three epochs, and the epoch a fit resumes inside.
 """
@@ -42,7 +42,7 @@ def shard_loader(length, num_shards, index, pad, shuffle=False, batch_size=2, mu
     """Shard `index` of a script's `DataLoader(Indices(length), ...)`, as keras_dist builds it."""
     loader = data.DataLoader(Indices(length), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
     if position is None and shuffles(loader):
-        position = EpochPosition(seed=seed)  # as `_split_data_loader`: one per call, the job's seed
+        position = EpochPosition(seed=seed)  # as `data_loader._share`: one per call, the job's seed
     return shard_data_loader(loader, num_shards, index, pad, multiplier, position)
 
 

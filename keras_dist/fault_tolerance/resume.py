@@ -45,8 +45,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("keras_dist")
 
 # The inputs a backup resumes on another number of processes (`EpochPosition.resizable`).
-RESIZABLE_INPUTS = ("NumPy arrays, a keras.utils.PyDataset of known length and a torch DataLoader keras_dist "
-                    "splits (without drop_last), with fit's steps_per_epoch unset")
+RESIZABLE_INPUTS = ("NumPy arrays that fit shuffles (any, in an elastic job), a keras.utils.PyDataset of known "
+                    "length and a torch DataLoader keras_dist splits (without drop_last), with fit's "
+                    "steps_per_epoch unset")
 # The key of keras_dist's part of Keras's `training_metadata.json`.
 METADATA_KEY = "keras_dist"
 # The state of Keras callbacks that counts across epochs, restored on resume. ModelCheckpoint's

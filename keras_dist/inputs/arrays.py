@@ -10,6 +10,7 @@ alone or nested in lists, tuples and dicts. Every rule here maps over the whole 
 (`keras.tree`) and slices each leaf with Keras's own slicing, so a leaf keeps its type.
 """
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -18,10 +19,64 @@ from keras import tree
 
 from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
+from keras_dist.inputs.base import Inputs, may_stand_in, ordered_share
 from keras_dist.inputs.position import EpochPosition, rest_of_order, steps_left
 
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
+
+
+def split(strategy: "Strategy", data: Inputs, pad: bool, purpose: str) -> Inputs:
+    """This process's rows (`shard_arrays`); for `predict` padded too, so that no process runs
+    Keras's loop on nothing and steps end together (`gather` drops the padding)."""
+    plan, parts = strategy.input_plan, data.arrays
+    stand_in = may_stand_in(plan, pad)
+    if purpose == "predict" and plan.num_shards > 1:
+        pad = True
+        data = dataclasses.replace(data, samples=num_samples(parts))
+    share = shard_arrays(parts, plan.num_shards, plan.shard_index, pad)
+    if stand_in and num_samples(share) == 0:
+        share = take_rows(parts, np.zeros(1, dtype=int))
+        data = dataclasses.replace(data, stand_in=True)
+    batch_size = None if data.batch_size is None else data.batch_size * plan.batch_multiplier
+    data = dataclasses.replace(data, **share, batch_size=batch_size)
+    if not pad and plan.collective_steps:
+        data = Inputs(open_ended(data.arrays, data.batch_size), steps=data.steps)
+    return dataclasses.replace(data, x=strategy.take_input(data.x, pad))
+
+
+def open_ended(parts: dict, batch_size: int | None) -> Any:
+    """Unpadded shards of different lengths where steps are collectives: one dataset of the
+    arrays `parts` (by name, None left out) in batches (Keras's default, 32, where None),
+    open-ended as `keras_dist.inputs.tf_data.open_ended` makes it."""
+    import tensorflow as tf
+
+    kept = tuple(parts[k] for k in ("x", "y", "sample_weight") if parts.get(k) is not None)
+    dataset = tf.data.Dataset.from_tensor_slices(for_tf_data(kept if len(kept) > 1 else kept[0]))
+    # As tf_data.open_ended, without importing it (it imports this module).
+    return dataset.batch(batch_size or 32).filter(lambda *_: True)
+
+
+def ordered(strategy: "Strategy", data: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
+    """The training rows in batches, in an order keras_dist draws per epoch (`EpochRows`), where
+    `fit` shuffles, or unshuffled in an elastic job (to resume on another count).
+
+    Under several processes "batch" (Keras: shuffle within batch-sized chunks) draws one
+    global permutation too: any order kept inside a chunk gives each shard a fixed stride.
+    """
+    plan, parts = strategy.input_plan, data.arrays
+    # Unshuffled, Keras's array adapter keeps its own order, which resumes on the same count.
+    if (not shuffle and not position.elastic) or (shuffle == "batch" and plan.num_shards == 1) \
+            or num_samples(parts) == 0:
+        return None
+    rows = EpochRows(parts, plan.num_shards, plan.shard_index, (data.batch_size or 32) * plan.batch_multiplier,
+                     position, shuffle=bool(shuffle))
+    return ordered_share(strategy, rows, data, position)
+
+
+def gather(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
+    """Outputs of interleaved shards back in input order (padding dropped): `gather_interleaved`."""
+    return gather_interleaved(strategy, outputs, strategy.input_plan.num_shards, data.samples)
 
 
 def _leaves(data: Any) -> list:

@@ -14,13 +14,46 @@ knows, without a collective, whether the round it is in gave it a batch:
   in the stream's order, padding dropped.
 """
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from keras import tree
 
-from keras_dist.inputs.arrays import num_samples
+from keras_dist.errors import KerasDistError
+from keras_dist.inputs.arrays import allgather_parts, num_samples
+from keras_dist.inputs.base import Inputs
+
+if TYPE_CHECKING:
+    from keras_dist.inputs.position import EpochPosition
+    from keras_dist.strategies.base import Strategy
+
+
+def split(strategy: "Strategy", data: Inputs, pad: bool, purpose: str) -> Inputs:
+    """This process's batches of the stream (`GeneratorShare`); for `predict` padded too."""
+    plan = strategy.input_plan
+    if plan.num_shards > 1:
+        if plan.collective_steps or plan.batch_multiplier > 1:
+            raise KerasDistError(f"backend {strategy.name!r} cannot split a Python generator (each process "
+                                 "would feed several replicas or steps are collectives); pass NumPy arrays, "
+                                 "a tf.data.Dataset or a keras.utils.PyDataset")
+        share = GeneratorShare(data.x, plan.num_shards, plan.shard_index, pad or purpose == "predict")
+        data = dataclasses.replace(data, x=share.batches(), stand_in=share.stand_in,
+                                   generator_share=share if purpose == "predict" else None)
+    return dataclasses.replace(data, x=strategy.take_input(data.x, False))
+
+
+def ordered(strategy: "Strategy", data: Inputs, position: "EpochPosition", shuffle: bool | str) -> None:
+    """None: a generator's order is the stream's, read from its start in each process."""
+    return None
+
+
+def gather(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
+    """Predictions back in the stream's order, padding dropped (`reassemble`)."""
+    sizes = data.generator_share.batch_sizes
+    return tree.map_structure(lambda leaf: reassemble(allgather_parts(strategy, leaf), sizes), outputs)
 
 
 class GeneratorShare:

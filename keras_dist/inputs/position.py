@@ -46,6 +46,9 @@ class EpochPosition:
             otherwise the consumed batches are read and dropped.
         resizable: the training input, where it can resume on another number of processes.
         step_samples: the units of its order one step takes over all processes, where known.
+        elastic: the job may restart on another number of processes (`--nnodes MIN:MAX`):
+            inputs keras_dist can order for that are ordered even where nothing else asks
+            (arrays that `fit` does not shuffle).
     """
 
     seed: int
@@ -56,6 +59,7 @@ class EpochPosition:
     sources_skip: bool = False
     resizable: ResizableEpochs | None = None
     step_samples: int | None = None
+    elastic: bool = False
     # Iterations over the training input begun since training began (`next_iteration`).
     iterations: int = 0
 

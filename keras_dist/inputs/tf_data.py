@@ -29,8 +29,9 @@ example is counted exactly once; prediction never shards files, so its outputs c
 in input order.
 """
 
+import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,10 +42,39 @@ from tensorflow.python.framework import op_def_registry, tensor_util
 from tensorflow.python.ops import gen_experimental_dataset_ops
 
 from keras_dist.errors import KerasDistError
-from keras_dist.inputs import arrays
+from keras_dist.inputs.arrays import gather  # noqa: F401 (outputs come back interleaved, as arrays')
+from keras_dist.inputs.base import STEPS, Inputs, may_stand_in
 
 if TYPE_CHECKING:
     from tensorflow.core.framework import node_def_pb2
+
+    from keras_dist.inputs.position import EpochPosition
+    from keras_dist.strategies.base import Strategy
+
+
+def split(strategy: "Strategy", data: Inputs, pad: bool, purpose: str) -> Inputs:
+    """This process's share of the pipeline (`shard_dataset`); with a step count the epoch ends
+    there, without one training shards are padded to equal steps."""
+    plan, source = strategy.input_plan, data.x
+    if plan.num_shards > 1 and data.steps is None and is_infinite(source):
+        caller = "fit" if purpose == "validation" else purpose
+        raise KerasDistError(f"the dataset is infinite (it repeats); pass {STEPS[purpose]} to {caller}")
+    share, equal_steps = shard_dataset(source, plan.num_shards, plan.shard_index, pad and data.steps is None,
+                                       plan.batch_multiplier, files=purpose != "predict",
+                                       allgather=strategy.allgather_object)
+    if may_stand_in(plan, pad) and is_empty(share):
+        share = source.take(1)  # the first batch stands in for an empty share
+        data = dataclasses.replace(data, stand_in=True)
+    data = dataclasses.replace(data, x=share)
+    if not pad and plan.collective_steps:
+        data = Inputs(open_ended(share), steps=data.steps)
+    return dataclasses.replace(data, x=strategy.take_input(data.x, equal_steps))
+
+
+def ordered(strategy: "Strategy", data: Inputs, position: "EpochPosition", shuffle: bool | str) -> None:
+    """None: a pipeline's order is its own (its shuffles, seeded or not); a resumed epoch reads
+    it from the start and drops the batches done."""
+    return None
 
 
 def dataset_batch_size(dataset: tf.data.Dataset) -> tuple[int, bool]:
@@ -407,18 +437,9 @@ def _commutes_with_split(node, constant):
     return False
 
 
-def open_ended(inputs: tf.data.Dataset | Mapping[str, Any], batch_size: int | None) -> tf.data.Dataset:
-    """`inputs` as a dataset whose length TensorFlow cannot know in advance.
-
-    Args:
-        inputs: a `tf.data.Dataset`, or a dict with "x" and optionally "y" and
-            "sample_weight" arrays (None entries are left out).
-        batch_size: the batch size for arrays (Keras's default, 32, when None).
-    """
-    if not isinstance(inputs, tf.data.Dataset):
-        parts = tuple(inputs[k] for k in ("x", "y", "sample_weight") if inputs.get(k) is not None)
-        slices = arrays.for_tf_data(parts if len(parts) > 1 else parts[0])
-        inputs = tf.data.Dataset.from_tensor_slices(slices).batch(batch_size or 32)
-    # Keras then iterates until the distributed iterator ends, which it does on every
-    # worker together; a known length would stop workers with shorter shards early.
-    return inputs.filter(lambda *_: True)
+def open_ended(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """`dataset` as one whose length TensorFlow cannot know in advance: Keras then iterates
+    until the distributed iterator ends, which it does on every worker together (unpadded
+    shards of different lengths where steps are collectives); a known length would stop
+    workers with shorter shards early."""
+    return dataset.filter(lambda *_: True)

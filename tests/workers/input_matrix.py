@@ -271,7 +271,7 @@ def run_keras(purpose, structure, length, num_shards):
         try:
             if purpose.startswith("fit"):
                 model.fit(data.x, data.y, sample_weight=data.sample_weight, batch_size=data.batch_size,
-                          validation_data=validation.as_validation_data(), epochs=1, verbose=0)
+                          validation_data=inputs.as_validation_data(validation), epochs=1, verbose=0)
             elif purpose == "evaluate":
                 model.evaluate(data.x, data.y, sample_weight=data.sample_weight, batch_size=data.batch_size, verbose=0)
             else:
