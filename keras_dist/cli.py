@@ -1,6 +1,7 @@
 """The `keras-dist` command: `launch` a script on this machine or several, show `info`, or `build-horovod`."""
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -68,7 +69,7 @@ def _launch(args):
     args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
     _require_engine(args.backend)
     from keras_dist.launchers.agent import Job, JobState
-    from keras_dist.launchers.nodes import Nodes, serve_directory
+    from keras_dist.launchers.nodes import JobEnded, Nodes, directory
     from keras_dist.launchers.processes import BACKUP_DIR, ELASTIC, RESTART
 
     nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != "1" else None
@@ -76,11 +77,16 @@ def _launch(args):
         raise KerasDistError(f"--nnodes {args.nnodes} (an elastic job) runs on backends torch and jax; "
                              f"backend {args.backend!r} needs a fixed --nnodes")
 
+    placed = None  # this machine's place in the attempt under way
+
     def tasks_for(attempt):
-        placed = (nodes.assemble(attempt) if nodes.elastic else dataclasses.replace(nodes, attempt=attempt)) \
-            if nodes else None
+        nonlocal placed
+        if nodes:
+            # An elastic job's machine may join late: its attempts are the master's.
+            placed = nodes.assemble(attempt) if nodes.elastic else dataclasses.replace(nodes, attempt=attempt)
+            attempt = placed.attempt
         tasks = strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args],
-                                         placed)
+                                         placed if placed and placed.count > 1 else None)
         for task in tasks:
             task.env[RESTART] = str(attempt)
             if nodes and nodes.elastic:
@@ -89,13 +95,14 @@ def _launch(args):
                 task.env[BACKUP_DIR] = os.path.abspath(args.backup_dir)
         return tasks
 
-    directory = (serve_directory(nodes) if nodes and nodes.rank == 0 and (nodes.elastic or _uses_directory(args.backend))
-                 else None)
-    try:
-        result = Job(tasks_for, args.max_restarts, args.grace_period).run()
-    finally:
-        if directory is not None:
-            directory.shutdown()
+    serves = nodes and nodes.rank == 0 and (nodes.elastic or _uses_directory(args.backend))
+    grows = (lambda: nodes.grows(placed.attempt)) if nodes and nodes.elastic and nodes.count > 1 else None
+    with directory(nodes) if serves else contextlib.nullcontext():
+        try:
+            result = Job(tasks_for, args.max_restarts, args.grace_period, grows=grows).run()
+        except JobEnded as ended:
+            print(f"[keras-dist] {ended}", flush=True)
+            return 0
     if result.state is JobState.FAILED and args.max_restarts:
         print(f"[keras-dist] {result.describe()}", flush=True)
     return result.exit_code

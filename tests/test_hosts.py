@@ -63,11 +63,11 @@ def reference(tmp_path, keras_backend, *options):
         return json.load(f)
 
 
-def start_on_hosts(bed, commands, envs):
-    """Starts commands[i] on host i, each in its own /tmp/out; returns their processes."""
+def start_on_hosts(bed, commands, envs, hosts=None):
+    """Starts commands[i] on host i (of `hosts`, default all), each in its own /tmp/out; returns their processes."""
     base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     return [bed.start(host, ["sh", "-c", f'mkdir -p {OUT} && exec "$@"', "sh", *command], env={**base, **QUIET_ENV, **env})
-            for host, command, env in zip(bed.hosts, commands, envs)]
+            for host, command, env in zip(hosts or bed.hosts, commands, envs)]
 
 
 def wait_for_the_end(bed, processes, timeout, frozen=()):
@@ -314,36 +314,65 @@ def test_keras_dist_launch_on_each_host_restarts_a_failed_job_which_ends_as_an_u
         assert_trains_like(result, {**expected, "history": {k: v[-resumed:] for k, v in expected["history"].items()}})
 
 
-@pytest.mark.parametrize("loss", ["kill", "freeze"])
-def test_an_elastic_job_goes_on_with_the_host_that_remains_training_each_sample_once(debian_hosts, loss):
-    """`keras-dist launch --nnodes 1:2 --max-restarts 1` on two hosts (PyTorch, arrays that
-    fit shuffles). In the second epoch the second host is lost, its launcher with it
-    (killed, or frozen: then the step timeout, 10 s here, ends the first host's attempt):
-    the first host's job restarts on itself alone (after `ELASTIC_WAIT_SECONDS` for the lost
-    one) and resumes from the chief's last backup, the rest of that epoch's samples split
-    over 1 process: by sample id, each sample of every epoch is trained exactly once."""
-    pytest.importorskip("torch")
+@pytest.mark.parametrize("loss, data, backend", [("kill", "py_dataset", "torch"), ("freeze", "arrays", "jax")])
+def test_an_elastic_job_goes_on_with_the_host_that_remains_and_grows_when_it_returns(debian_hosts, loss, data,
+                                                                                      backend):
+    """`keras-dist launch --nnodes 1:2 --max-restarts 1` on two hosts (PyTorch with a PyDataset
+    that fit shuffles, JAX with shuffled arrays). In the second epoch the second host is
+    lost, its launcher with it (killed, or frozen: then the step timeout, 10 s here, ends
+    the first host's attempt): the first host's job restarts on itself alone (after
+    `ELASTIC_WAIT_SECONDS` for the lost one) and resumes from the chief's last backup, the
+    rest of that epoch split over 1 process. Where the host was killed, the same command is
+    then run on it again: the job stops at a save point and grows back to 2 processes. On
+    PyTorch each sample of every epoch is trained exactly once, by sample id; on JAX (no
+    ids: its steps are compiled) the steps trained after the restart are exactly those
+    left, counted on 1 process."""
+    pytest.importorskip(backend)
     bed = debian_hosts
     worker = WORKERS / "resume.py"
-    commands = [[BIN / "keras-dist", "launch", "--backend", "torch", "-n", 1, "--nnodes", "1:2", "--node-rank", i,
-                 "--master-addr", "node0", "--max-restarts", 1, worker, OUT, "arrays", "--record-samples",
-                 "--step-seconds", "0.3"] for i in range(2)]
-    processes = start_on_hosts(bed, commands, [{"KERAS_BACKEND": "torch", "KERAS_DIST_STEP_TIMEOUT": "10"}] * 2)
+    commands = [[BIN / "keras-dist", "launch", "--backend", backend, "-n", 1, "--nnodes", "1:2", "--node-rank", i,
+                 "--master-addr", "node0", "--max-restarts", 1, worker, OUT, data, "--step-seconds", "0.3",
+                 *(["--record-samples"] if backend == "torch" else [])] for i in range(2)]
+    envs = [{"KERAS_BACKEND": backend, "KERAS_DIST_STEP_TIMEOUT": "10"}] * 2
+    processes = start_on_hosts(bed, commands, envs)
     steps, deadline = bed.hosts[0].tmp / "out" / "steps.first", time.monotonic() + 240
     while not steps.exists() or len(steps.read_text().splitlines()) < 15:  # epoch 2, after its first backup
         assert time.monotonic() < deadline and all(p.poll() is None for p in processes), bed.output(processes[0])
         time.sleep(0.05)
     if loss == "kill":
         bed.kill(bed.hosts[1])
+        # Once the job has trained a few steps on the first host alone, the second comes back.
+        alone = bed.hosts[0].tmp / "out" / "steps.rerun"
+        while not alone.exists() or len(alone.read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline and processes[0].poll() is None, bed.output(processes[0])
+            time.sleep(0.05)
+        returned = start_on_hosts(bed, [commands[1]], envs, hosts=[bed.hosts[1]])[0]
     else:
         bed.signal(bed.hosts[1], signal.SIGSTOP)
-    wait_for_the_end(bed, processes[:1], timeout=240)
+    wait_for_the_end(bed, processes[:1] + ([returned] if loss == "kill" else []), timeout=240)
     out = bed.output(processes[0])
     assert processes[0].returncode == 0, out[-4000:]
     assert "attempt 0: 2 of 2 machines (node ranks 0, 1)" in out, out[-4000:]
     assert "attempt 1: 1 of 2 machines (node ranks 0)" in out and "restart 1 of 1" in out, out[-4000:]
     assert "the backup was written by 2 processes, this run has 1" in out, out[-4000:]
-    assert "cannot resume this fit on another number" not in out  # shuffled arrays can
+    assert "cannot resume this fit on another number" not in out
+    if loss == "kill":
+        assert returned.returncode == 0, bed.output(returned)[-4000:]
+        assert "SIGTERM (node rank 1 waits to join): passed on to every task" in out, out[-4000:]
+        assert "attempt 2: 2 of 2 machines (node ranks 0, 1)" in out, out[-4000:]
+        assert "the backup was written by 1 processes, this run has 2" in out, out[-4000:]
+    # The rerun starts after the last backup's step: the first attempt's samples before it and
+    # the reruns' make that epoch (a grow saves where it stops: its attempts lose no step).
+    epoch, step = map(int, re.search(r"fit resumes in epoch (\d+) after step (\d+)", out).groups())
+    epoch -= 1
+    if backend == "jax":
+        # 96 samples at 4 a process: 12 steps an epoch on 2 processes, 24 on 1; after `step`
+        # steps on 2 (8 samples each) the rest of the epoch is 24 - 2 * step steps on 1.
+        rerun = [tuple(map(int, line.split())) for line in (steps.parent / "steps.rerun").read_text().splitlines()]
+        assert rerun == [(epoch, s) for s in range(2 * step, 24)] + [(e, s) for e in range(epoch + 1, 3)
+                                                                      for s in range(24)], (epoch, step)
+        bed.kill(bed.hosts[1])
+        return
 
     def trained(attempt, in_epoch, before_step=None):
         ids = []
@@ -356,10 +385,6 @@ def test_an_elastic_job_goes_on_with_the_host_that_remains_training_each_sample_
         return sorted(ids)
 
     everything = list(range(96))
-    # The rerun starts after the last backup's step: the first attempt's samples before it and
-    # the rerun's make that epoch.
-    epoch, step = map(int, re.search(r"fit resumes in epoch (\d+) after step (\d+)", out).groups())
-    epoch -= 1
     for earlier in range(epoch):
         assert trained("first", earlier) == everything
     assert sorted(trained("first", epoch, step) + trained("rerun", epoch)) == everything, \

@@ -76,3 +76,71 @@ def test_a_notice_to_the_launcher_is_passed_on_and_ends_the_job_preempted(tmp_pa
     result = Job(tasks_for, max_restarts=3, grace_seconds=10, out=io.StringIO()).run()
     assert (result.state, result.exit_code, result.attempts) == (JobState.PREEMPTED, 143, 1)
     assert time.monotonic() - started < 15
+
+
+def test_an_elastic_job_stops_its_tasks_at_a_notice_and_restarts_to_grow_without_spending_a_restart(tmp_path):
+    """Where `grows` says a machine waits to join, the running tasks get SIGTERM (they save
+    and exit 143) and the job starts its next attempt, even with no restart after failures
+    left; asked again after that attempt's start, it says nothing and the job ends there."""
+    def tasks_for(attempt):
+        # Attempt 0 runs until its notice; attempt 1 succeeds.
+        code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); "
+                "time.sleep(30)") if attempt == 0 else "pass"
+        return [Task("rank:0", [sys.executable, "-c", code])]
+
+    started = time.monotonic()
+    asked = []
+
+    def grows():
+        asked.append(time.monotonic() - started)
+        return "node rank 1 waits to join" if len(asked) in (2, 3) else None  # the question after the stop too
+
+    out = io.StringIO()
+    job = Job(tasks_for, max_restarts=0, out=out, grows=grows)
+    result = job.run()
+    assert (result.state, result.exit_code, result.attempts) == (JobState.SUCCEEDED, 0, 2), out.getvalue()
+    assert job.history == [JobState.RUNNING, JobState.RESTARTING, JobState.RUNNING, JobState.SUCCEEDED]
+    assert "SIGTERM (node rank 1 waits to join): passed on to every task" in out.getvalue()
+    assert "the tasks saved and exited (node rank 1 waits to join); the job restarts with it" in out.getvalue()
+    assert time.monotonic() - started < 20
+
+
+def test_a_machine_back_after_an_elastic_job_went_on_without_it_joins_the_next_attempt(monkeypatch):
+    """Machine 0's directory, real HTTP: the master starts attempt 0 alone; a machine started
+    then (fresh, as after its loss) is announced for attempt 1, the master's `grows` says so
+    to every machine, and attempt 1 has both, on the next engine port; once the job ended,
+    a machine that comes ends in one line."""
+    from keras_dist.launchers import nodes
+    from keras_dist.launchers.processes import free_ports
+
+    monkeypatch.setattr(nodes, "ELASTIC_WAIT_SECONDS", 0.5)
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    master, returning = (nodes.Nodes.parse("1:2", rank, address) for rank in (0, 1))
+    with nodes.directory(master):
+        assert master.assemble(0).count == 1
+        assert master.grows(0) is None
+        joined = {}
+        joiner = threading.Thread(target=lambda: joined.update(place=returning.assemble(0)))
+        joiner.start()
+        deadline = time.monotonic() + 10
+        while master.grows(0) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert master.grows(0) == returning.grows(0) == "node rank 1 waits to join"
+        grown = master.assemble(1)
+        joiner.join(10)
+        assert (grown.attempt, grown.count, grown.rank) == (1, 2, 0)
+        assert (joined["place"].attempt, joined["place"].count, joined["place"].rank) == (1, 2, 1)
+        assert grown.port == joined["place"].port == master.port + 2
+        assert master.grows(1) is None
+        late = threading.Thread(target=lambda: joined.update(late=_ended_before_joining(nodes, address)))
+        late.start()  # waits for attempt 2, which the job ends before
+    late.join(10)
+    assert joined["late"] == f"the job at {address} ended before this machine (node rank 1) could join it"
+
+
+def _ended_before_joining(nodes, address):
+    try:
+        nodes.Nodes.parse("1:2", 1, address).assemble(0)
+    except nodes.JobEnded as ended:
+        return str(ended)

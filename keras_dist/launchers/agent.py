@@ -6,7 +6,10 @@ when they all succeed it has SUCCEEDED; when a notice stopped them (the launcher
 SIGTERM or SIGUSR1 passed on, or a task that got one itself and saved) it is PREEMPTED and
 is not restarted, since the scheduler takes the machine; when a task failed it is
 RESTARTING while restarts are left (each attempt resumes from the last backup), else
-FAILED. `Job.run` returns a `RunResult` that names the task that failed and why.
+FAILED. An elastic job also restarts to grow: where `grows` says a machine waits to join,
+the tasks get a notice, save and exit, and the job restarts with it (not counted among
+the restarts after failures). `Job.run` returns a `RunResult` that names the task that
+failed and why.
 """
 
 import dataclasses
@@ -61,31 +64,43 @@ class Job:
         max_restarts: restarts after a failure (`keras-dist launch --max-restarts`).
         grace_seconds: how long tasks get to save and exit after a notice.
         out: where progress lines and the tasks' output go (default: standard output).
+        grows: for an elastic job, why it restarts on more machines now (a machine waits to
+            join), else None; asked while the tasks run and when they end after a notice.
     """
 
     def __init__(self, tasks_for: Callable[[int], list[Task]], max_restarts: int = 0, grace_seconds: float = 30.0,
-                 out: TextIO | None = None):
+                 out: TextIO | None = None, grows: Callable[[], str | None] | None = None):
         self._tasks_for, self._max_restarts, self._grace = tasks_for, max_restarts, grace_seconds
-        self._out = out or sys.stdout
+        self._out, self._grows = out or sys.stdout, grows
         self.state = JobState.RUNNING
         self.history: list[JobState] = []  # the states entered, in order
 
     def run(self) -> RunResult:
-        attempts = 0
+        attempts = failures = 0
         while True:
             self._enter(JobState.RUNNING)
-            ended = run_tasks(self._tasks_for(attempts), out=self._out, grace_seconds=self._grace)
+            ended = run_tasks(self._tasks_for(attempts), out=self._out, grace_seconds=self._grace,
+                              stop_when=self._grows)
             attempts += 1
             if ended.exit_code == 0:
                 return self._end(JobState.SUCCEEDED, ended.exit_code, attempts)
+            growing = self._grows() if self._grows is not None and ended.exit_code in INTERRUPTED else None
+            if growing:
+                self._enter(JobState.RESTARTING)
+                self._say(f"the tasks saved and exited ({growing}); the job restarts with it")
+                continue
             if ended.exit_code in INTERRUPTED:
                 return self._end(JobState.PREEMPTED, ended.exit_code, attempts, ended.failed_task)
-            if attempts > self._max_restarts:
+            failures += 1
+            if failures > self._max_restarts:
                 return self._end(JobState.FAILED, ended.exit_code, attempts, ended.failed_task)
             self._enter(JobState.RESTARTING)
-            self._out.write(f"[keras-dist] the job failed (task {ended.failed_task} exited with {ended.exit_code}); "
-                            f"restart {attempts} of {self._max_restarts}\n")
-            self._out.flush()
+            self._say(f"the job failed (task {ended.failed_task} exited with {ended.exit_code}); "
+                      f"restart {failures} of {self._max_restarts}")
+
+    def _say(self, line: str) -> None:
+        self._out.write(f"[keras-dist] {line}\n")
+        self._out.flush()
 
     def _enter(self, state: JobState) -> None:
         self.state = state

@@ -4,7 +4,10 @@ With `--nnodes MIN:MAX` the job is elastic: at each start and restart the machin
 answer assemble at the master (`Nodes.assemble`), all MAX, or at least MIN after
 `ELASTIC_WAIT_SECONDS`, and the job runs on those, ranked in node-rank order; a machine
 that was lost is left out of the next restart, which resumes from the last backup on the
-processes now present. The master itself must stay: it holds the directory and the backup.
+processes now present. A machine that returns (the same command run on it again) is
+announced for the next attempt: the master then stops the job at a save point and
+restarts it with that machine too (`Nodes.grows`). The master itself must stay: it holds
+the directory and the backup.
 
 The same command runs once on each machine. JAX and PyTorch need only the master's
 address (their coordinator, or torchrun's store, runs there). A `TF_CONFIG` names every
@@ -13,12 +16,14 @@ small directory at the master's address, where each machine's launcher publishes
 address and ports and reads everyone's (`Nodes.exchange`), as torchrun's c10d store does.
 """
 
+import contextlib
 import dataclasses
 import json
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -31,6 +36,13 @@ JOIN_SECONDS = 600.0
 # Elastic jobs: seconds the master waits for machines beyond MIN before an attempt starts
 # without them (a lost machine never comes; a slow one joins the next restart).
 ELASTIC_WAIT_SECONDS = 10.0
+# Seconds the master's directory stays after an elastic job's end, for machines waiting to
+# join to read it (they ask every 0.2 s).
+ELASTIC_ENDED_SECONDS = 1.0
+
+
+class JobEnded(KerasDistError):
+    """The elastic job ended before this machine joined it."""
 
 
 @dataclass(frozen=True)
@@ -92,27 +104,23 @@ class Nodes:
     def master_address(self) -> str:
         return f"{self.master}:{self.port}"
 
-    def assemble(self, attempt: int) -> "Nodes | None":
-        """The machines of an elastic job's `attempt`, as this machine's place among them
-        (None: this machine alone); the engine's port moves on at each attempt, so that no
-        restart meets the last one's coordinator still closing.
+    def assemble(self, attempt: int) -> "Nodes":
+        """This machine's place among the machines of an elastic job's attempt (`count` 1:
+        alone); the engine's port moves on at each attempt, so that no restart meets the
+        last one's coordinator still closing.
 
         Every machine announces itself at the master's directory; the master closes the
         attempt once all have, or once at least `min_count` have and `ELASTIC_WAIT_SECONDS`
-        have passed, and publishes the members, which the others read.
+        have passed, and publishes the members, which the others read. A machine that
+        finds an attempt closed without it (it returns after a loss, or starts late)
+        announces itself for the next one, which the master begins when it sees it
+        (`grows`); where the job has ended, this machine ends too.
         """
         started = time.monotonic()
-        members = None
+        members, announced = None, set()
         while members is None:
             try:
-                joined = sorted(int(r) for r in self._publish(f"elastic-{attempt}", {}))
-                if self.rank == 0:
-                    waited = time.monotonic() - started
-                    if len(joined) == self.count or (len(joined) >= self.min_count and waited >= ELASTIC_WAIT_SECONDS):
-                        members = joined
-                        self._publish(f"members-{attempt}", joined)
-                else:
-                    members = self._read(f"members-{attempt}").get("0")
+                members, attempt = self._close(attempt, started) if self.rank == 0 else self._join(attempt, announced)
             except (urllib.error.URLError, OSError):
                 pass  # the master's launcher is not up yet, or restarting
             if members is None and time.monotonic() - started > JOIN_SECONDS:
@@ -121,20 +129,66 @@ class Nodes:
                                      f" ...` on more machines")
             if members is None:
                 time.sleep(0.2)
-        if self.rank not in members:
-            raise KerasDistError(f"attempt {attempt} of the job started without this machine (node rank {self.rank}); "
-                                 "it joins when the job restarts: run the same command again then")
         print(f"[keras-dist] attempt {attempt}: {len(members)} of {self.count} machines (node ranks "
               f"{', '.join(map(str, members))})", flush=True)
-        if len(members) == 1:
-            return None
         return dataclasses.replace(self, count=len(members), rank=members.index(self.rank), min_count=None,
                                    port=self.port + 1 + attempt, attempt=attempt)
+
+    def _close(self, attempt: int, started: float) -> tuple[list | None, int]:
+        """The master: the members of `attempt`, once it closes it (else None)."""
+        joined = sorted(int(r) for r in self._publish(f"elastic-{attempt}", {}))
+        waited = time.monotonic() - started
+        if len(joined) < self.count and (len(joined) < self.min_count or waited < ELASTIC_WAIT_SECONDS):
+            return None, attempt
+        self._publish(f"members-{attempt}", joined)
+        self._publish("current", attempt)
+        return joined, attempt
+
+    def _join(self, attempt: int, announced: set) -> tuple[list | None, int]:
+        """Another machine: the members of the attempt it joins, once the master closed it
+        with it (else None), and that attempt, which moves on where the job went on without
+        this machine."""
+        if self._read("ended"):
+            raise JobEnded(f"the job at {self.master_address} ended before this machine (node rank {self.rank}) "
+                           "could join it")
+        current = self._read("current").get("0")
+        if current is not None and current >= attempt and current not in announced:
+            attempt = current + 1  # lost and back, or late: the job is past the attempts it knows
+        self._publish(f"elastic-{attempt}", {})
+        announced.add(attempt)
+        closed = self._read(f"members-{attempt}").get("0")
+        if closed is None or self.rank in closed:
+            return closed, attempt
+        return None, attempt + 1  # closed without it: the next one
+
+    def grows(self, attempt: int) -> str | None:
+        """Why the elastic job's `attempt` stops to restart on more machines (None: it goes on).
+
+        The master sees a machine announced for the next attempt and says so in the
+        directory, where the other machines read it.
+        """
+        try:
+            if self.rank == 0:
+                # Not the machines of this attempt, which announce themselves there after a failure.
+                members = self._read(f"members-{attempt}").get("0", [])
+                waiting = sorted(int(r) for r in self._read(f"elastic-{attempt + 1}") if int(r) not in members)
+                if waiting:
+                    reason = f"node rank {', '.join(map(str, waiting))} waits to join"
+                    self._publish(f"grows-{attempt}", reason)
+                    return reason
+                return None
+            return self._read(f"grows-{attempt}").get("0")
+        except (urllib.error.URLError, OSError):
+            return None  # the master's directory did not answer: asked again
+
+    def end(self) -> None:
+        """On the master, as its job ends: machines that wait to join end too."""
+        self._publish("ended", True)
 
     def exchange(self, value: dict) -> list:
         """Publishes `value` for this machine and returns every machine's, in rank order.
 
-        Machine 0 serves the directory until its launcher ends (`serve_directory`).
+        Machine 0 serves the directory until its launcher ends (`directory`).
         """
         deadline = time.monotonic() + JOIN_SECONDS
         while True:
@@ -170,8 +224,23 @@ class Nodes:
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
-    """On machine 0: the directory `Nodes.exchange` reads, on the master's address only, until shut down."""
+@contextlib.contextmanager
+def directory(nodes: Nodes) -> Iterator[None]:
+    """On machine 0, while the job runs: the directory `Nodes.exchange` and `Nodes.assemble`
+    read, on the master's address only. An elastic job's end stays there a moment, for
+    machines waiting to join to read it."""
+    server = _serve_directory(nodes)
+    try:
+        yield
+    finally:
+        if nodes.elastic:
+            with contextlib.suppress(OSError):
+                nodes.end()
+                time.sleep(ELASTIC_ENDED_SECONDS)
+        server.shutdown()
+
+
+def _serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
     entries = {}
     lock = threading.Lock()
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, TextIO
 
 from keras_dist import console, settings
@@ -41,6 +41,9 @@ BACKUP_DIR = "KERAS_DIST_BACKUP_DIR"
 # The signals of a preemption notice (SLURM's `--signal` often uses SIGUSR1): the launcher
 # passes them on, and `keras_dist.fault_tolerance.preemption` saves and stops at them.
 NOTICE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+# Seconds between the questions of `run_tasks(stop_when=...)` (an elastic job asks its master
+# over the network whether a machine waits to join).
+STOP_WHEN_SECONDS = 1.0
 
 
 def free_ports(count: int, address: str = "127.0.0.1") -> list:
@@ -80,10 +83,12 @@ class Ended:
 
 
 def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: float = 0.2,
-              grace_seconds: float = 30.0) -> Ended:
+              grace_seconds: float = 30.0, stop_when: Callable[[], str | None] | None = None) -> Ended:
     """Starts `tasks`, waits for all of them, returns the first failing exit code (or 0) and its task.
 
     `grace_seconds`: how long tasks get to exit after a notice passed on to them.
+    `stop_when`: asked about once a second; where it gives a reason, the tasks get a
+    notice (SIGTERM: they save and exit), as at the launcher's own SIGTERM.
     """
     out = out or sys.stdout
     inherited = sorted(k for k in os.environ if k.startswith(_CLUSTER_VARIABLES))
@@ -112,8 +117,13 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
             pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, out, quiet), daemon=True)
             pump.start()
             pumps.append(pump)
-        reported = set()
+        reported, asked = set(), time.monotonic()
         while True:
+            if stop_when is not None and time.monotonic() - asked >= STOP_WHEN_SECONDS:
+                asked = time.monotonic()
+                reason = stop_when()
+                if reason:
+                    return Ended(_pass_on_notice(signal.SIGTERM, procs, grace_seconds, out, reason))
             codes = [proc.poll() for _, proc in procs]
             for (task, _), code in zip(procs, codes):
                 if task.serves and code not in (None, 0) and task.name not in reported:
@@ -149,11 +159,12 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
 
 
 
-def _pass_on_notice(sig, procs, grace_seconds, out):
+def _pass_on_notice(sig, procs, grace_seconds, out, reason=None):
     """Passes `sig` on to every task and waits up to `grace_seconds` for them to save and
     exit; returns the tasks' exit code where they all exited alike, else 128 + `sig`."""
     name = signal.Signals(sig).name
-    out.write(f"[keras-dist] {name}: passed on to every task, which saves and exits "
+    because = f" ({reason})" if reason else ""
+    out.write(f"[keras-dist] {name}{because}: passed on to every task, which saves and exits "
               f"(killed in {grace_seconds:g} s, or at a second signal)\n")
     for _, proc in procs:
         if proc.poll() is None:
