@@ -73,9 +73,9 @@ def _launch(args):
     from keras_dist.launchers.processes import BACKUP_DIR, ELASTIC, RESTART
 
     nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != "1" else None
-    if nodes and nodes.elastic and _uses_directory(args.backend):
-        raise KerasDistError(f"--nnodes {args.nnodes} (an elastic job) runs on backends torch and jax; "
-                             f"backend {args.backend!r} needs a fixed --nnodes")
+    if nodes and nodes.elastic and args.backend == "parameter_server":
+        raise KerasDistError(f"--nnodes {args.nnodes} (an elastic job) cannot run parameter servers, whose "
+                             "workers come and go by themselves; give a fixed --nnodes")
 
     placed = None  # this machine's place in the attempt under way
 
@@ -83,7 +83,8 @@ def _launch(args):
         nonlocal placed
         if nodes:
             # An elastic job's machine may join late: its attempts are the master's.
-            placed = nodes.assemble(attempt) if nodes.elastic else dataclasses.replace(nodes, attempt=attempt)
+            placed = (nodes.assemble(attempt, moves_port=not _uses_directory(args.backend)) if nodes.elastic
+                      else dataclasses.replace(nodes, attempt=attempt))
             attempt = placed.attempt
         tasks = strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args],
                                          placed if placed and placed.count > 1 else None)
@@ -214,9 +215,9 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("-n", "--num-workers", type=int, default=2, help="training processes on this machine")
     launch.add_argument("--ps", type=int, default=0,
                         help="parameter-server tasks on this machine (parameter_server backend)")
-    launch.add_argument("--nnodes", default="1", help="machines in the job; run the same command on each. MIN:MAX "
-                                                      "(torch, jax): elastic, each restart goes on with the machines "
-                                                      "that answer, at least MIN")
+    launch.add_argument("--nnodes", default="1", help="machines in the job; run the same command on each. MIN:MAX: "
+                                                      "elastic, each restart goes on with the machines that answer, "
+                                                      "at least MIN")
     launch.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the master")
     launch.add_argument("--master-addr", help="HOST[:PORT] of machine 0 as every machine reaches it "
                                               "(default port 29400)")

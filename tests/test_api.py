@@ -120,6 +120,8 @@ def test_arrays_are_interleaved_and_padded_only_for_training():
     (["launch", "--nnodes", "2", "--master-addr", "h:port", "examples/train.py"], "the port must be a number"),
     (["launch", "--max-restarts", "-1", "examples/train.py"], "--max-restarts must be 0 or more"),
     (["launch", "--nnodes", "0", "examples/train.py"], "--nnodes must be at least 1"),
+    (["launch", "--backend", "parameter_server", "--ps", "1", "--nnodes", "1:2", "--master-addr", "h",
+      "examples/train.py"], "(an elastic job) cannot run parameter servers"),
 ])
 def test_launcher_bad_input_is_a_one_line_error(args, message):
     code, out = run([BIN / "keras-dist", *args], timeout=60, cwd=ROOT)

@@ -104,10 +104,12 @@ class Nodes:
     def master_address(self) -> str:
         return f"{self.master}:{self.port}"
 
-    def assemble(self, attempt: int) -> "Nodes":
+    def assemble(self, attempt: int, moves_port: bool = True) -> "Nodes":
         """This machine's place among the machines of an elastic job's attempt (`count` 1:
-        alone); the engine's port moves on at each attempt, so that no restart meets the
-        last one's coordinator still closing.
+        alone). With `moves_port` the port (the engine's coordinator: JAX, torchrun's store)
+        moves on at each attempt, so that no restart meets the last one's still closing;
+        otherwise it stays, as the directory's (TensorFlow's clusters, Horovod: each
+        attempt exchanges new addresses there).
 
         Every machine announces itself at the master's directory; the master closes the
         attempt once all have, or once at least `min_count` have and `ELASTIC_WAIT_SECONDS`
@@ -132,7 +134,7 @@ class Nodes:
         print(f"[keras-dist] attempt {attempt}: {len(members)} of {self.count} machines (node ranks "
               f"{', '.join(map(str, members))})", flush=True)
         return dataclasses.replace(self, count=len(members), rank=members.index(self.rank), min_count=None,
-                                   port=self.port + 1 + attempt, attempt=attempt)
+                                   port=self.port + 1 + attempt if moves_port else self.port, attempt=attempt)
 
     def _close(self, attempt: int, started: float) -> tuple[list | None, int]:
         """The master: the members of `attempt`, once it closes it (else None)."""
