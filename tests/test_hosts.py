@@ -327,11 +327,11 @@ def test_an_elastic_job_goes_on_with_the_host_that_remains_and_grows_when_it_ret
     lost, its launcher with it (killed, or frozen: then the step timeout, 10 s here, ends
     the first host's attempt): the first host's job restarts on itself alone (after
     `ELASTIC_WAIT_SECONDS` for the lost one) and resumes from the chief's last backup, the
-    rest of that epoch split over 1 process. Where the host was killed, the same command is
-    then run on it again: the job stops at a save point and grows back to 2 processes. On
-    PyTorch each sample of every epoch is trained exactly once, by sample id; on JAX and
-    TensorFlow (no ids: their steps are compiled) the steps trained after the restart are
-    exactly those left, counted on 1 process."""
+    rest of that epoch split over 1 process. A few steps later the second host is killed
+    for good and the same command run on it again: the job stops at a save point and grows
+    back to 2 processes. On PyTorch each sample of every epoch is trained exactly once, by
+    sample id; on JAX and TensorFlow (no ids: their steps are compiled) the steps trained
+    after each restart are exactly those left, counted on the processes then present."""
     keras_backend = "tensorflow" if backend in ("horovod", "multi_worker_mirrored") else backend
     pytest.importorskip(keras_backend)
     bed = debian_hosts
@@ -347,26 +347,25 @@ def test_an_elastic_job_goes_on_with_the_host_that_remains_and_grows_when_it_ret
         time.sleep(0.05)
     if loss == "kill":
         bed.kill(bed.hosts[1])
-        # Once the job has trained a few steps on the first host alone, the second comes back.
-        alone = bed.hosts[0].tmp / "out" / "steps.rerun"
-        while not alone.exists() or len(alone.read_text().splitlines()) < 3:
-            assert time.monotonic() < deadline and processes[0].poll() is None, bed.output(processes[0])
-            time.sleep(0.05)
-        returned = start_on_hosts(bed, [commands[1]], envs, hosts=[bed.hosts[1]])[0]
     else:
         bed.signal(bed.hosts[1], signal.SIGSTOP)
-    wait_for_the_end(bed, processes[:1] + ([returned] if loss == "kill" else []), timeout=240)
+    # Once the job has trained a few steps on the first host alone, the second comes back.
+    alone = bed.hosts[0].tmp / "out" / "steps.rerun"
+    while not alone.exists() or len(alone.read_text().splitlines()) < 3:
+        assert time.monotonic() < deadline and processes[0].poll() is None, bed.output(processes[0])
+        time.sleep(0.05)
+    bed.kill(bed.hosts[1])  # a frozen host is restarted too
+    returned = start_on_hosts(bed, [commands[1]], envs, hosts=[bed.hosts[1]])[0]
+    wait_for_the_end(bed, [processes[0], returned], timeout=240)
     out = bed.output(processes[0])
-    assert processes[0].returncode == 0, out[-4000:]
+    assert processes[0].returncode == 0 and returned.returncode == 0, out[-4000:] + bed.output(returned)[-4000:]
     assert "attempt 0: 2 of 2 machines (node ranks 0, 1)" in out, out[-4000:]
     assert "attempt 1: 1 of 2 machines (node ranks 0)" in out and "restart 1 of 1" in out, out[-4000:]
     assert "the backup was written by 2 processes, this run has 1" in out, out[-4000:]
     assert "cannot resume this fit on another number" not in out
-    if loss == "kill":
-        assert returned.returncode == 0, bed.output(returned)[-4000:]
-        assert "SIGTERM (node rank 1 waits to join): passed on to every task" in out, out[-4000:]
-        assert "attempt 2: 2 of 2 machines (node ranks 0, 1)" in out, out[-4000:]
-        assert "the backup was written by 1 processes, this run has 2" in out, out[-4000:]
+    assert "SIGTERM (node rank 1 waits to join): passed on to every task" in out, out[-4000:]
+    assert "attempt 2: 2 of 2 machines (node ranks 0, 1)" in out, out[-4000:]
+    assert "the backup was written by 1 processes, this run has 2" in out, out[-4000:]
     # The rerun starts after the last backup's step: the first attempt's samples before it and
     # the reruns' make that epoch (a grow saves where it stops: its attempts lose no step).
     epoch, step = map(int, re.search(r"fit resumes in epoch (\d+) after step (\d+)", out).groups())
@@ -380,12 +379,11 @@ def test_an_elastic_job_goes_on_with_the_host_that_remains_and_grows_when_it_ret
                 [(e, s) for e in range(first_epoch + 1, 3) for s in range(per_epoch)]
 
         rerun = [tuple(map(int, line.split())) for line in (steps.parent / "steps.rerun").read_text().splitlines()]
+        grown_epoch, grown_step = map(int, re.findall(r"fit resumes in epoch (\d+) after step (\d+)", out)[1])
         alone = steps_from(epoch, 2 * step, 24)
-        if loss == "kill":
-            grown_epoch, grown_step = map(int, re.findall(r"fit resumes in epoch (\d+) after step (\d+)", out)[1])
-            kept = alone.index((grown_epoch - 1, grown_step))  # the steps of the run on 1 process
-            alone = alone[:kept] + steps_from(grown_epoch - 1, 12 - -(-(96 - 4 * grown_step) // 8), 12)
-        assert rerun == alone, (epoch, step, rerun)
+        kept = alone.index((grown_epoch - 1, grown_step))  # the steps of the run on 1 process
+        assert rerun == alone[:kept] + steps_from(grown_epoch - 1, 12 - -(-(96 - 4 * grown_step) // 8), 12), \
+            (epoch, step, rerun)
         bed.kill(bed.hosts[1])
         return
 
