@@ -28,7 +28,7 @@ from typing import ClassVar
 from keras_dist.errors import KerasDistError
 
 # How long a process waits for the chief to publish the rendezvous address.
-RENDEZVOUS_TIMEOUT_S = 120
+RENDEZVOUS_TIMEOUT_SECONDS = 120
 
 
 @dataclass(frozen=True)
@@ -181,14 +181,14 @@ class MPIEnvironment(ClusterEnvironment):
                 address = f"{host}:{probe.getsockname()[1]}"
             self.put("coordinator", address)
             return address
-        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_SECONDS
         while time.monotonic() < deadline:
             address = self.get("coordinator")  # none until the chief has published it
             if address is not None:
                 return address
             time.sleep(0.1)
         raise KerasDistError(f"rank 0 published no rendezvous address in Horovod's store ({self.store}) within "
-                             f"{RENDEZVOUS_TIMEOUT_S} s; check that rank 0 started, or set MASTER_ADDR and MASTER_PORT")
+                             f"{RENDEZVOUS_TIMEOUT_SECONDS} s; check that rank 0 started, or set MASTER_ADDR and MASTER_PORT")
 
 
 def _rendezvous(environ):
