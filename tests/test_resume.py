@@ -237,14 +237,21 @@ def test_a_slurm_job_signalled_ahead_of_its_time_limit_requeues_itself_and_resum
     signalled = bed.run(host, ["scancel", "--signal=USR1", "--batch", job])
     assert signalled.returncode == 0, signalled.stderr
     deadline = time.monotonic() + 240
-    released = False
+    released, relaunched = False, False
     while not (out / "result.npz").exists():
-        if (not released and "JobState=PENDING" in bed.run(host, ["scontrol", "show", "job", job]).stdout
+        state = bed.run(host, ["scontrol", "show", "job", job]).stdout
+        if (not released and "JobState=PENDING" in state
                 and bed.run(host, ["sinfo", "-h", "-n", host.name, "-o", "%T"]).stdout.strip() == "idle"):
             # SLURM holds a requeued job for two minutes before it is eligible again; the
             # test does not wait for that, only for the node to have ended the first run
             # (released while it still tore that run down, the second failed to launch).
             released = bed.run(host, ["scontrol", "update", f"JobId={job}", "StartTime=now"]).returncode == 0
+        elif released and not relaunched and "JobState=FAILED" in state and "RunTime=00:00:00" in state:
+            # Under load the node can still say idle while it tears the first run down, and
+            # the second never starts (seen once in the whole suite): the bed's race, not the
+            # job's; requeued once by hand, then released as above.
+            relaunched = bed.run(host, ["scontrol", "requeue", job]).returncode == 0
+            released = False
         if time.monotonic() > deadline:
             log = (host.tmp / f"slurm-{job}.out").read_text(errors="replace")
             pytest.fail(f"{bed.run(host, ['scontrol', 'show', 'job', job]).stdout}\n{log[-4000:]}")
@@ -253,7 +260,7 @@ def test_a_slurm_job_signalled_ahead_of_its_time_limit_requeues_itself_and_resum
     log = (host.tmp / f"slurm-{job}.out").read_text(errors="replace")
     print(f"SLURM job {job}: {signalled_at - submitted:.1f} s to the signal, resumed in "
           f"{time.time() - signalled_at:.1f} s; " + " ".join(f for f in shown.split() if "Time=" in f))
-    assert "Restarts=1" in shown and f"SLURM job {job} requeued" in log, shown + log[-3000:]
+    assert f"Restarts={2 if relaunched else 1}" in shown and f"SLURM job {job} requeued" in log, shown + log[-3000:]
     assert 4 <= len(steps(out)) < 36
     assert_resumed_exactly(references("launch_2", "jax", "arrays"), out, len(steps(out)))
 
