@@ -86,8 +86,9 @@ def fit(strategy: "Strategy", data: Inputs, validation_data: Any = None, validat
     """This process's training input (padded to equal steps) and validation input (None: none).
 
     With `position` (a fit that may resume inside an epoch, `keras_dist.fault_tolerance.resume`,
-    or that several processes run), inputs whose order keras_dist can draw (arrays, a
-    PyDataset of known length, a DataLoader it splits) are ordered by it, one global
+    or that several processes run), inputs whose order keras_dist can draw (arrays that
+    `shuffle`, any in an elastic job, a PyDataset of known length, a DataLoader it splits)
+    are ordered by it, one global
     permutation per shuffled epoch, and start an epoch resumed after the part done
     themselves (`Inputs.ordered`, `EpochPosition.sources_skip`), on any process count
     (`EpochPosition.resizable`).
