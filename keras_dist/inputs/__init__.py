@@ -88,10 +88,9 @@ def fit(strategy: "Strategy", data: Inputs, validation_data: Any = None, validat
     With `position` (a fit that may resume inside an epoch, `keras_dist.fault_tolerance.resume`,
     or that several processes run), inputs whose order keras_dist can draw (arrays that
     `shuffle`, any in an elastic job, a PyDataset of known length, a DataLoader it splits)
-    are ordered by it, one global
-    permutation per shuffled epoch, and start an epoch resumed after the part done
-    themselves (`Inputs.ordered`, `EpochPosition.sources_skip`), on any process count
-    (`EpochPosition.resizable`).
+    are ordered by it, one global permutation per shuffled epoch, and start an epoch
+    resumed after the part done themselves (`Inputs.ordered`, `EpochPosition.sources_skip`),
+    on any process count (`EpochPosition.resizable`).
     """
     if validation_split and validation_data is None and arrays.is_array_input(data.x):
         data, validation_data = _hold_out(data, validation_split)
