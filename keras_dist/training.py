@@ -24,6 +24,7 @@ from keras_dist import inputs, optimizer_hooks, settings
 from keras_dist.logs import flat_logs, metric_results
 from keras_dist.fault_tolerance import background_writes, resume
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
+from keras_dist.inputs.position import EpochPosition
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
 from keras_dist.callbacks.file_callbacks import callbacks_for_this_worker, watched
 from keras_dist.callbacks.replica_check import ReplicaCheck
@@ -99,7 +100,7 @@ class DistributedTraining:
         # wherever several processes read: each epoch's shards are then parts of one global
         # permutation, not fixed strides of the data (issue 47).
         orders = keras_loop and (backup is not None or self.strategy.input_plan.num_shards > 1)
-        position = (resume.EpochPosition(seed=inputs.job_seed(self.strategy), elastic=settings.current().elastic)
+        position = (EpochPosition(seed=inputs.job_seed(self.strategy), elastic=settings.current().elastic)
                     if orders else None)
         # One process without a backup keeps the signals' own effect, as without keras_dist.
         notice = None

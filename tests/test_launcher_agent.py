@@ -120,7 +120,7 @@ def test_a_machine_back_after_an_elastic_job_went_on_without_it_joins_the_next_a
         assert master.assemble(0).count == 1
         assert master.grows(0) is None
         joined = {}
-        joiner = threading.Thread(target=lambda: joined.update(place=returning.assemble(0)))
+        joiner = threading.Thread(target=lambda: joined.update(place=returning.assemble(0)), daemon=True)
         joiner.start()
         deadline = time.monotonic() + 10
         while master.grows(0) is None:
@@ -133,7 +133,7 @@ def test_a_machine_back_after_an_elastic_job_went_on_without_it_joins_the_next_a
         assert (joined["place"].attempt, joined["place"].count, joined["place"].rank) == (1, 2, 1)
         assert grown.port == joined["place"].port == master.port + 2
         assert master.grows(1) is None
-        late = threading.Thread(target=lambda: joined.update(late=_ended_before_joining(nodes, address)))
+        late = threading.Thread(target=lambda: joined.update(late=_ended_before_joining(nodes, address)), daemon=True)
         late.start()  # waits for attempt 2, which the job ends before
     late.join(10)
     assert joined["late"] == f"the job at {address} ended before this machine (node rank 1) could join it"

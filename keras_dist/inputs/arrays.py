@@ -19,7 +19,7 @@ from keras import tree
 
 from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
-from keras_dist.inputs.base import Inputs, may_stand_in, ordered_share
+from keras_dist.inputs.base import Inputs, may_stand_in, open_ended, ordered_share
 from keras_dist.inputs.position import EpochPosition, rest_of_order, steps_left
 
 if TYPE_CHECKING:
@@ -41,20 +41,17 @@ def split(strategy: "Strategy", data: Inputs, pad: bool, purpose: str) -> Inputs
     batch_size = None if data.batch_size is None else data.batch_size * plan.batch_multiplier
     data = dataclasses.replace(data, **share, batch_size=batch_size)
     if not pad and plan.collective_steps:
-        data = Inputs(open_ended(data.arrays, data.batch_size), steps=data.steps)
+        data = Inputs(open_ended(_dataset(data.arrays, data.batch_size)), steps=data.steps)
     return dataclasses.replace(data, x=strategy.take_input(data.x, pad))
 
 
-def open_ended(parts: dict, batch_size: int | None) -> Any:
-    """Unpadded shards of different lengths where steps are collectives: one dataset of the
-    arrays `parts` (by name, None left out) in batches (Keras's default, 32, where None),
-    open-ended as `keras_dist.inputs.tf_data.open_ended` makes it."""
+def _dataset(parts: dict, batch_size: int | None) -> Any:
+    """The arrays `parts` (by name, None left out) as a `tf.data.Dataset` in batches (Keras's
+    default, 32, where None): for strategies whose steps are collectives (TensorFlow's)."""
     import tensorflow as tf
 
     kept = tuple(parts[k] for k in ("x", "y", "sample_weight") if parts.get(k) is not None)
-    dataset = tf.data.Dataset.from_tensor_slices(for_tf_data(kept if len(kept) > 1 else kept[0]))
-    # As tf_data.open_ended, without importing it (it imports this module).
-    return dataset.batch(batch_size or 32).filter(lambda *_: True)
+    return tf.data.Dataset.from_tensor_slices(for_tf_data(kept if len(kept) > 1 else kept[0])).batch(batch_size or 32)
 
 
 def ordered(strategy: "Strategy", data: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:

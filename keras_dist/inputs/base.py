@@ -1,5 +1,5 @@
 """What every input kind's module shares: the call's input (`Inputs`), and the step each
-kind's `ordered` ends with.
+kind's `ordered` ends with, and the open-ended input of collective steps.
 
 Each kind Keras accepts has a module under `keras_dist.inputs` with the same four
 functions, and a line in `keras_dist.inputs.KINDS` that recognises it:
@@ -82,6 +82,14 @@ def may_stand_in(plan: "InputPlan", pad: bool) -> bool:
     """Whether an unpadded share may be empty and get a stand-in; where steps are collectives
     an open-ended input ends it instead (`open_ended`)."""
     return plan.num_shards > 1 and not pad and not plan.collective_steps
+
+
+def open_ended(dataset: Any) -> Any:
+    """A `tf.data.Dataset` as one whose length TensorFlow cannot know in advance: Keras then
+    iterates until the distributed iterator ends, which it does on every worker together
+    (unpadded shards of different lengths where steps are collectives); a known length
+    would stop workers with shorter shards early."""
+    return dataset.filter(lambda *_: True)
 
 
 def ordered_share(strategy: "Strategy", x: Any, data: Inputs, position: "EpochPosition") -> Inputs:

@@ -43,7 +43,7 @@ from tensorflow.python.ops import gen_experimental_dataset_ops
 
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs.arrays import gather  # noqa: F401 (outputs come back interleaved, as arrays')
-from keras_dist.inputs.base import STEPS, Inputs, may_stand_in
+from keras_dist.inputs.base import STEPS, Inputs, may_stand_in, open_ended
 
 if TYPE_CHECKING:
     from tensorflow.core.framework import node_def_pb2
@@ -435,11 +435,3 @@ def _commutes_with_split(node, constant):
     if node.op in _SHUFFLE_OPS:
         return constant(node, 2) == 0 and constant(node, 3) == 0  # unseeded: there is no order to keep
     return False
-
-
-def open_ended(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """`dataset` as one whose length TensorFlow cannot know in advance: Keras then iterates
-    until the distributed iterator ends, which it does on every worker together (unpadded
-    shards of different lengths where steps are collectives); a known length would stop
-    workers with shorter shards early."""
-    return dataset.filter(lambda *_: True)
