@@ -25,8 +25,8 @@ __all__ = ["KerasDistError", "callbacks", "compile", "current", "distribute_data
 # Keras, which tools (`keras-dist launch`, `keras-dist info`) never need.
 _LAZY = {"callbacks": ("keras_dist.callbacks", None), "compile": ("keras_dist.compile", "compile"),
          "current": ("keras_dist.runtime", "current"), "init": ("keras_dist.runtime", "init"),
-         "distribute_dataset": ("keras_dist.inputs", "distribute_dataset"),
-         "notebook_launcher": ("keras_dist.launchers.notebook", "notebook_launcher")}
+         "distribute_dataset": ("keras_dist.runtime", "distribute_dataset"),
+         "notebook_launcher": ("keras_dist.notebook", "notebook_launcher")}
 
 
 def __getattr__(name: str):

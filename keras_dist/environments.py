@@ -41,6 +41,9 @@ class ClusterEnvironment:
         local_rank: index among those on this machine.
         local_size: how many of them run on this machine.
         coordinator: `host:port` of the job's rendezvous, where the launcher gives one.
+        job_address: the address of this machine's interface that the job's traffic takes
+            (`keras_dist.network`), set at start-up in a job of several processes; None
+            where nothing is known.
     """
 
     name: ClassVar[str] = ""
@@ -49,6 +52,7 @@ class ClusterEnvironment:
     local_rank: int = 0
     local_size: int = 1
     coordinator: str | None = None
+    job_address: str | None = None
 
     @property
     def is_chief(self) -> bool:
@@ -85,7 +89,8 @@ class ClusterEnvironment:
 
     def describe(self) -> dict:
         return {"cluster_environment": self.name, "rank": self.rank, "size": self.size,
-                "local_rank": self.local_rank, "local_size": self.local_size, "coordinator": self.coordinator}
+                "local_rank": self.local_rank, "local_size": self.local_size, "coordinator": self.coordinator,
+                "job_address": self.job_address}
 
 
 def threads_per_process(local_size: int) -> int:

@@ -17,6 +17,8 @@ from keras_dist import console, environments, settings, strategies
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
+    import tensorflow as tf
+
     from keras_dist.strategies.base import Strategy
 
 
@@ -29,8 +31,6 @@ class Runtime:
         environment: this process's place in its job, as the chosen strategy reads it.
         backend: the keras_dist backend (strategy) chosen.
         reason: why that backend (requested, set by KERAS_DIST_BACKEND, detected...).
-        job_address: the address of the interface the job's traffic takes (set at start-up
-            in a job of several processes; None where nothing is known).
         strategy: the started strategy (None until `init`).
     """
 
@@ -38,7 +38,6 @@ class Runtime:
     environment: environments.ClusterEnvironment
     backend: str
     reason: str
-    job_address: str | None = None
     strategy: "Strategy | None" = None
 
     @classmethod
@@ -52,8 +51,7 @@ class Runtime:
         return cls(chosen, environment, name, reason)
 
     def describe(self) -> dict:
-        return {**self.environment.describe(), "backend": self.backend, "why": self.reason,
-                "job_address": self.job_address}
+        return {**self.environment.describe(), "backend": self.backend, "why": self.reason}
 
 
 _runtime: Runtime | None = None
@@ -103,7 +101,8 @@ def init(backend: str | None = None, **options: Any) -> "Strategy":
     if backend and backend != runtime.backend:
         # The script chose another backend than the launcher's: its strategy reads the environment its own way.
         chosen = Runtime.from_environ(settings.environ(), backend, runtime.settings)
-        runtime = _runtime = dataclasses.replace(chosen, job_address=runtime.job_address)
+        environment = dataclasses.replace(chosen.environment, job_address=runtime.environment.job_address)
+        runtime = _runtime = dataclasses.replace(chosen, environment=environment)
     runtime.strategy = strategies.create(runtime.backend, runtime.environment, **options)
     console.announce(runtime.strategy)
     return runtime.strategy
@@ -113,3 +112,30 @@ def current() -> "Strategy":
     """The active strategy, starting the default one if `init` was not called."""
     strategy = get().strategy
     return strategy if strategy is not None else init()
+
+
+def distribute_dataset(dataset: "tf.data.Dataset", training: bool = True) -> "tf.data.Dataset":
+    """This process's share of `dataset`, as keras_dist's `fit` (or `evaluate`) reads it.
+
+    For loops of your own, and to see what each worker reads: a batched dataset whose
+    batch size is per replica, split as described in `keras_dist.inputs`.
+
+    Args:
+        dataset: a batched `tf.data.Dataset`, the same on every process.
+        training: pad the shards to equal length, as `fit` does (collective; every
+            process must call it).
+
+    Example:
+
+    ```python
+    for x, y in keras_dist.distribute_dataset(dataset):
+        ...
+    ```
+    """
+    from keras_dist.inputs import tf_data
+
+    strategy = current()
+    plan = strategy.input_plan
+    shard, _ = tf_data.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
+                                     allgather=strategy.allgather_object)
+    return shard

@@ -21,6 +21,7 @@ when it imports keras_dist. In a process some launcher started (`keras-dist laun
 A plain process (no launcher) and the `keras-dist` tool itself do none of this.
 """
 
+import dataclasses
 import logging
 import os
 import random
@@ -56,8 +57,8 @@ def start() -> None:
     facts = runtime.get()
     environment = facts.environment
     if environment.size > 1:
-        facts.job_address = network.choose_interface(environ, environment.coordinator or
-                                                     getattr(environment, "store", None))
+        address = network.choose_interface(environ, environment.coordinator or getattr(environment, "store", None))
+        environment = facts.environment = dataclasses.replace(environment, job_address=address)
     if environment.size > 1:
         errors.uncaught_errors_in_one_line(one_line=not settings.current().debug_log)
     strategy = strategies.strategy_class(facts.backend)

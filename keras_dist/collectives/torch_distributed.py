@@ -85,13 +85,13 @@ class TorchDistributed(TorchTensors):
     """`torch.distributed`: gloo on CPUs (CPU tensors), NCCL on GPUs (the local rank's GPU).
 
     Starts the default process group where the launcher started several processes and
-    the script has not started one itself. `job_address`: the address this process's
-    interface to the job has (`keras_dist.runtime`), for the error that says which it advertised.
+    the script has not started one itself. The environment's `job_address` (this process's
+    interface to the job) goes into the error that says which address it advertised.
     """
 
     name = "torch.distributed"
 
-    def __init__(self, torch: Any, environment: ClusterEnvironment, job_address: str | None = None):
+    def __init__(self, torch: Any, environment: ClusterEnvironment):
         import torch.distributed as dist
 
         self._dist = dist
@@ -112,7 +112,7 @@ class TorchDistributed(TorchTensors):
             except RuntimeError as exc:  # DistBackendError and DistStoreError too
                 raise KerasDistError(
                     f"rank {environment.rank} did not connect to the job at {coordinator} within {self.timeout:g} s, "
-                    f"advertising {job_address or socket.gethostname()} to its peers ({first_line(exc)}); set "
+                    f"advertising {environment.job_address or socket.gethostname()} to its peers ({first_line(exc)}); set "
                     "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the interface the other machines reach, "
                     f"or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart") from None
             self._coordinator = coordinator

@@ -124,34 +124,6 @@ def gather_predictions(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
     return importlib.import_module(data.kind).gather(strategy, data, outputs)
 
 
-def distribute_dataset(dataset: "tf.data.Dataset", training: bool = True) -> "tf.data.Dataset":
-    """This process's share of `dataset`, as keras_dist's `fit` (or `evaluate`) reads it.
-
-    For loops of your own, and to see what each worker reads: a batched dataset whose
-    batch size is per replica, split as described in `keras_dist.inputs`.
-
-    Args:
-        dataset: a batched `tf.data.Dataset`, the same on every process.
-        training: pad the shards to equal length, as `fit` does (collective; every
-            process must call it).
-
-    Example:
-
-    ```python
-    for x, y in keras_dist.distribute_dataset(dataset):
-        ...
-    ```
-    """
-    from keras_dist import runtime
-    from keras_dist.inputs import tf_data
-
-    strategy = runtime.current()
-    plan = strategy.input_plan
-    shard, _ = tf_data.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
-                                     allgather=strategy.allgather_object)
-    return shard
-
-
 def as_validation_data(validation: Inputs) -> Any:
     """What `fit` takes as `validation_data`, for the split `validation`."""
     is_arrays = arrays.is_array_input(validation.x)

@@ -12,10 +12,12 @@ import pickle
 import sys
 import traceback
 
+# The files a task leaves in the launch's directory.
+PAYLOAD, RESULT, ERROR = "payload.pkl", "result.pkl", "error-{rank}.txt"
+
 
 def main(directory: str) -> int:
     from keras_dist import environments
-    from keras_dist.launchers.notebook import ERROR, PAYLOAD, RESULT
 
     rank = environments.detect(os.environ).rank
     try:

@@ -28,7 +28,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist import environments, keras_workarounds_jax, network, runtime, settings, timeouts
+from keras_dist import environments, keras_workarounds_jax, network, settings, timeouts
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
@@ -65,7 +65,7 @@ def _start_process_group(environment):
         # CPU processes need a collectives implementation; GPUs use NCCL whatever this says.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         host, port = coordinator.rsplit(":", 1)
-        address = runtime.get().job_address
+        address = environment.job_address
         # The coordinator listens on the job's address only (a local cluster: loopback).
         bind = "127.0.0.1" if network.names_loopback(host.strip("[]")) else address
         if bind == address and address is not None and address != network.reaching_address(host.strip("[]")):

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import keras_workarounds_torch, runtime, settings, timeouts
+from keras_dist import keras_workarounds_torch, settings, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment
@@ -207,7 +207,7 @@ def _collectives(torch, environment):
             pass
         else:
             return HorovodTorch(torch, hvd)
-    return TorchDistributed(torch, environment, runtime.get().job_address)
+    return TorchDistributed(torch, environment)
 
 
 def tensor_buckets(tensors: Sequence["torch.Tensor"], first: int | None = None) -> list[list["torch.Tensor"]]:

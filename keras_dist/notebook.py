@@ -5,7 +5,8 @@ have initialised CUDA, XLA or TensorFlow. Here the function and its arguments ar
 serialized by value (cloudpickle, so functions and classes defined in cells travel),
 and the backend's own local launcher starts N new Python processes
 (`strategies.local_cluster`, `processes.run_tasks`), each running
-`keras_dist/launchers/notebook_task.py`. The chief's output streams into the cell as it
+`keras_dist/launchers/notebook_task.py`. A front, like `keras_dist.cli`: it picks the
+launcher through the strategies' registry. The chief's output streams into the cell as it
 is printed; the first failure raises in the kernel with its rank and first line; an
 interrupt (the notebook's stop button) stops every task by its process group.
 """
@@ -18,9 +19,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from keras_dist.errors import KerasDistError
-
-# The files a task leaves in the launch's directory.
-PAYLOAD, RESULT, ERROR = "payload.pkl", "result.pkl", "error-{rank}.txt"
+from keras_dist.launchers.notebook_task import ERROR, PAYLOAD, RESULT
 
 
 class _ChiefLines:
@@ -83,7 +82,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
         raise KerasDistError(f"num_processes must be at least 1, got {num_processes}")
     keras_backend = keras.backend.backend()
     backend = backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
-    task_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "notebook_task.py")
+    task_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launchers", "notebook_task.py")
     with tempfile.TemporaryDirectory(prefix="keras_dist_notebook_") as directory:
         with open(os.path.join(directory, PAYLOAD), "wb") as f:
             cloudpickle.dump((function, tuple(args)), f)
