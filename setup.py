@@ -2,7 +2,7 @@
 
 `keras_dist/_bind_address.so` is a plain C library that keras_dist preloads (LD_PRELOAD)
 into the processes of a cluster on one machine, so their TensorFlow servers listen on
-loopback only (see keras_dist/tf_cluster.py). LD_PRELOAD is a Linux (glibc/musl) feature.
+loopback only (see keras_dist/launchers/binding.py). LD_PRELOAD is a Linux (glibc/musl) feature.
 The extension is optional: where no C compiler works, keras_dist installs without it, and
 a local cluster says in one line that its servers listen on all interfaces.
 """

@@ -5,7 +5,7 @@
  * torch's TCPStore listens on every interface too. keras_dist preloads this library
  * (LD_PRELOAD) into a cluster's processes so they listen on the cluster's address only:
  * loopback for a cluster on this machine, the address the other machines reach otherwise.
- * See keras_dist/tf_cluster.py, which builds the environment below.
+ * See keras_dist/launchers/binding.py, which builds the environment below.
  *
  * Environment, read once when the library loads:
  *   KERAS_DIST_BIND_ADDRESS  IPv4 address that replaces a wildcard (e.g. 127.0.0.1);

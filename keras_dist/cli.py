@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from keras_dist import settings, strategies
 from keras_dist.errors import KerasDistError
+from keras_dist.launchers import processes
 
 
 # The module each Keras backend runs on, and the extra that installs it.
@@ -27,12 +28,13 @@ def _installed(module: str) -> bool:
 
 def _require_keras_backend() -> str:
     """The Keras backend, once its framework is known to be installed; else a one-line error naming the fix."""
-    backend = strategies.keras_backend(settings.environ())
+    variables = settings.current().variables
+    backend = strategies.keras_backend(variables)
     if backend not in _FRAMEWORKS:
         return backend  # Keras itself says what it accepts
     module, extra = _FRAMEWORKS[backend]
     if not _installed(module):
-        chosen = "KERAS_BACKEND" if settings.environ().get("KERAS_BACKEND") else "Keras's default, or ~/.keras/keras.json"
+        chosen = "KERAS_BACKEND" if variables.get("KERAS_BACKEND") else "Keras's default, or ~/.keras/keras.json"
         others = [name for name, (m, _) in _FRAMEWORKS.items() if name != backend and _installed(m)]
         instead = f"set KERAS_BACKEND={others[0]} (installed), or " if others else ""
         raise KerasDistError(f"Keras runs on {backend} ({chosen}), which is not installed: {instead}"
@@ -170,7 +172,8 @@ def _probe_horovod():
         return lambda: "not installed: keras-dist build-horovod builds it against the installed TensorFlow (and PyTorch)"
     from importlib import metadata
 
-    env = {**settings.environ(), "TF_CPP_MIN_LOG_LEVEL": settings.environ().get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    env = processes.child_environment()
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     probes = {framework: subprocess.Popen([sys.executable, "-c", _HOROVOD_PROBE.format(module=module)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
               for framework, module in _HOROVOD_OPS.items() if _installed(framework)}
@@ -202,7 +205,7 @@ def _build_horovod(args):
     if not _installed("pip"):
         raise KerasDistError(f"building Horovod uses pip, which this environment lacks: {sys.executable} -m ensurepip")
     recipe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_build.sh")
-    return subprocess.run(["bash", recipe], env={**settings.environ(), "PYTHON": sys.executable}).returncode
+    return subprocess.run(["bash", recipe], env=processes.child_environment(PYTHON=sys.executable)).returncode
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ Logging is configured only where the script configured none (no handler on the r
 
 import logging
 import re
-from collections.abc import MutableMapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from keras_dist import settings
@@ -39,14 +39,13 @@ _START_UP_LINES = re.compile(
 logger = logging.getLogger("keras_dist")
 
 
-def quiet_tensorflow_start(environ: MutableMapping[str, str], chosen: settings.Settings) -> None:
-    """Turns TensorFlow's informational C++ lines off in the process `environ` is for, where
-    unset and `chosen` (its settings) asks for no debugging lines.
+def quiet_tensorflow_variables(variables: Mapping[str, str], chosen: settings.Settings) -> dict[str, str]:
+    """The variable that turns TensorFlow's informational C++ lines off in the process whose
+    environment is `variables`, where unset and `chosen` (its settings) asks for no debugging lines.
 
-    Call it before that process imports TensorFlow: TensorFlow reads the level once.
+    Set it before that process imports TensorFlow: TensorFlow reads the level once.
     """
-    if not chosen.debug_log:
-        environ.setdefault(TF_LOG_LEVEL, "1")
+    return {TF_LOG_LEVEL: "1"} if not chosen.debug_log and TF_LOG_LEVEL not in variables else {}
 
 
 def is_start_up_line(line: str) -> bool:

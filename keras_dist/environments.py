@@ -15,6 +15,7 @@ print(env.name, env.rank, env.size, env.is_chief, env.coordinator)
 """
 
 import glob
+import json
 import os
 import re
 import socket
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from keras_dist.errors import KerasDistError
+
+_EXAMPLE = '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", "index": 0}}'
 
 # How long a process waits for the chief to publish the rendezvous address.
 RENDEZVOUS_TIMEOUT_SECONDS = 120
@@ -204,6 +207,70 @@ def _rendezvous(environ):
     return addresses[0] if addresses else None
 
 
+def detected_cluster(environ: Mapping[str, str]) -> dict | None:
+    """TF_CONFIG's cluster, read leniently for backend detection.
+
+    Args:
+        environ: the environment to read.
+
+    Returns:
+        None without TF_CONFIG; `{}` when it cannot be read (the backend chosen then
+        parses it with `parse_tf_config`, which says what is wrong); else the cluster dict.
+
+    Example:
+
+    ```python
+    has_ps = bool((detected_cluster(environ) or {}).get("ps"))
+    ```
+    """
+    text = environ.get("TF_CONFIG")
+    if not text:
+        return None
+    try:
+        cluster = json.loads(text).get("cluster")
+    except (ValueError, AttributeError):
+        return {}
+    return cluster if isinstance(cluster, dict) else {}
+
+
+def parse_tf_config(text: str) -> tuple[dict[str, list[str]], str, int]:
+    """`(cluster, task_type, task_index)` from a TF_CONFIG string, with one-line errors.
+
+    Args:
+        text: the value of the TF_CONFIG environment variable.
+
+    Example:
+
+    ```python
+    cluster, kind, index = parse_tf_config(environ["TF_CONFIG"])
+    ```
+    """
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise KerasDistError(f"TF_CONFIG is not valid JSON ({exc}); set it like {_EXAMPLE}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
+        raise KerasDistError(f'TF_CONFIG has no "cluster" object; set it like {_EXAMPLE}')
+    cluster = config["cluster"]
+    task = config.get("task")
+    if not isinstance(task, dict) or "type" not in task:
+        raise KerasDistError('TF_CONFIG has no "task"; add "task": {"type": "worker", "index": N} for this process')
+    kind, index = task["type"], task.get("index", 0)
+    if kind not in cluster:
+        raise KerasDistError(f"TF_CONFIG task type {kind!r} is not in its cluster ({', '.join(cluster)}); use one of those")
+    if not isinstance(index, int) or not 0 <= index < len(cluster[kind]):
+        raise KerasDistError(
+            f"TF_CONFIG task index {index!r} is out of range: the cluster has {len(cluster[kind])} "
+            f"{kind!r} tasks; use an index from 0 to {len(cluster[kind]) - 1}"
+        )
+    addresses = [a for tasks in cluster.values() for a in tasks]
+    duplicates = sorted({a for a in addresses if addresses.count(a) > 1})
+    if duplicates:
+        raise KerasDistError(f"TF_CONFIG lists {duplicates[0]} more than once; give every task its own host:port")
+    return cluster, kind, index
+
+
+
 @dataclass(frozen=True)
 class TFConfigEnvironment(ClusterEnvironment):
     """`TF_CONFIG` (tf.distribute's multi-worker and parameter-server jobs, `keras-dist launch`).
@@ -230,8 +297,6 @@ class TFConfigEnvironment(ClusterEnvironment):
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "TFConfigEnvironment":
-        from keras_dist.tf_cluster import parse_tf_config  # no TensorFlow import: it parses JSON
-
         cluster, kind, index = parse_tf_config(environ.get("TF_CONFIG", ""))
         trainers = [address for k in cls.TRAINERS for address in cluster.get(k, [])]
         me = cluster[kind][index]

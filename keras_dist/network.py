@@ -5,18 +5,20 @@ host name resolves to. Debian's and Ubuntu's installers map the host name to 127
 so across machines every peer is told to connect to its own loopback: torch's rank 0
 then waits forever, JAX and Horovod fail after minutes. Where the user has chosen no
 interface, keras_dist picks the one this machine sends from to reach the job's
-coordinator, before any engine starts (`choose_interface`, called at `import
+coordinator, before any engine starts (`interface_variables`, asked at `import
 keras_dist`), and tells each engine: `GLOO_SOCKET_IFNAME` (torch), `HOROVOD_GLOO_IFACE`
 (Horovod), `NCCL_SOCKET_IFNAME` (NCCL), and the address itself to JAX, which has no
 variable for it (`keras_dist.strategies.jax_data_parallel._gloo_advertises`). The same address is
-where a multi-machine job's servers listen (`keras_dist.tf_cluster`).
+where a multi-machine job's TensorFlow servers listen (`keras_dist.strategies.tf_server`).
 """
 
 import ipaddress
 import logging
+import os
 import socket
 import struct
-from collections.abc import MutableMapping
+import sys
+from collections.abc import Mapping
 
 logger = logging.getLogger("keras_dist")
 
@@ -125,29 +127,28 @@ def interface_of(address: str) -> str | None:
     return next((name for _, name in socket.if_nameindex() if _address_of(name) == address), None)
 
 
-def choose_interface(environ: MutableMapping[str, str], coordinator: str | None) -> str | None:
-    """Sets the engines' interface variables to the one that reaches `coordinator` (`host:port`).
+def interface_variables(variables: Mapping[str, str], coordinator: str | None) -> tuple[str | None, dict[str, str]]:
+    """The engines' interface variables for the interface that reaches `coordinator` (`host:port`).
 
-    Leaves everything alone where the user chose an interface already (any of
-    `INTERFACE_VARIABLES`) or no coordinator is known.
+    None where the user chose an interface already (any of `INTERFACE_VARIABLES` in
+    `variables`, the process's environment) or no coordinator is known.
 
     Returns:
-        The chosen address, or the address of the interface the user named; None where
-        nothing is known.
+        `(address, variables to set)`: the chosen address, or the address of the interface
+        the user named (None where nothing is known), and the variables.
     """
-    chosen = next((environ[v].lstrip("=") for v in INTERFACE_VARIABLES if environ.get(v)), None)
+    chosen = next((variables[v].lstrip("=") for v in INTERFACE_VARIABLES if variables.get(v)), None)
     if chosen is not None:
-        return _address_of(chosen.split(",")[0])
+        return _address_of(chosen.split(",")[0]), {}
     if coordinator is None:
-        return None
+        return None, {}
     address = job_address(coordinator.rsplit(":", 1)[0].strip("[]"))
     interface = interface_of(address) if address else None
     if interface is None:
-        return None
-    environ["GLOO_SOCKET_IFNAME"] = environ["HOROVOD_GLOO_IFACE"] = interface
-    environ["NCCL_SOCKET_IFNAME"] = f"={interface}"  # NCCL matches prefixes unless told otherwise
+        return None, {}
     logger.debug("job traffic on %s (%s), which reaches %s", interface, address, coordinator)
-    return address
+    # NCCL matches prefixes unless told otherwise.
+    return address, {"GLOO_SOCKET_IFNAME": interface, "HOROVOD_GLOO_IFACE": interface, "NCCL_SOCKET_IFNAME": f"={interface}"}
 
 
 def _address_of(interface: str) -> str | None:
@@ -165,3 +166,46 @@ def _address_of(interface: str) -> str | None:
         except OSError:
             return None
     return socket.inet_ntoa(request[20:24])
+
+
+def tcp_listeners() -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, str]]:
+    """`(address, port, inode)` for every listening TCP socket, read from /proc/net (Linux).
+
+    Covers every process in this network namespace; `inode` matches the
+    `socket:[INODE]` links under `/proc/PID/fd`.
+
+    Returns:
+        A list of `(ipaddress.IPv4Address | IPv6Address, int, str)`.
+
+    Example:
+
+    ```python
+    exposed = [port for address, port, _ in tcp_listeners() if address.is_unspecified]
+    ```
+    """
+    listeners = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            rows = [line.split() for line in f][1:]
+        for row in rows:
+            address, port = row[1].split(":")
+            if row[3] == "0A":  # LISTEN
+                # The kernel prints the address as 32-bit words in host byte order.
+                raw = b"".join(int(address[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(address), 8))
+                listeners.append((ipaddress.ip_address(raw), int(port, 16), row[9]))
+    return listeners
+
+
+def listening_in_this_process(port):
+    """Whether a TCP socket of this process listens on `port` (False where /proc is missing)."""
+    sockets = set()
+    try:
+        listeners = tcp_listeners()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                sockets.add(os.readlink(f"/proc/self/fd/{fd}"))  # "socket:[INODE]"
+            except OSError:  # closed meanwhile
+                pass
+    except OSError:
+        return False
+    return any(p == port and f"socket:[{inode}]" in sockets for _, p, inode in listeners)

@@ -4,8 +4,10 @@ The `Runtime` holds the settings (`keras_dist.settings`), the cluster environmen
 launcher set (`keras_dist.environments`), the backend chosen with the reason, the address
 of the network interface the job's traffic takes, and the strategy once started. It is
 built on first use, from the process's environment (`import keras_dist` builds it in a
-process a launcher started); `startup`, `keras_dist.compile`, the strategies, the
-collectives and `keras-dist info` read it, and nothing derives those facts again. Tests
+process a launcher started); `startup`, `keras_dist.compile` and `keras-dist info` read
+it, and the strategy is made with its cluster environment and settings
+(`strategies.create`): strategies, their collectives and fault tolerance take their facts
+from those and never read the process environment. Tests
 build their own with `Runtime.from_environ(mapping)`.
 """
 
@@ -61,7 +63,8 @@ def get() -> Runtime:
     """This process's runtime, built on first use."""
     global _runtime
     if _runtime is None:
-        _runtime = Runtime.from_environ(settings.environ(), chosen=settings.current())
+        chosen = settings.current()
+        _runtime = Runtime.from_environ(chosen.variables, chosen=chosen)
     return _runtime
 
 
@@ -100,10 +103,10 @@ def init(backend: str | None = None, **options: Any) -> "Strategy":
         return runtime.strategy
     if backend and backend != runtime.backend:
         # The script chose another backend than the launcher's: its strategy reads the environment its own way.
-        chosen = Runtime.from_environ(settings.environ(), backend, runtime.settings)
+        chosen = Runtime.from_environ(runtime.settings.variables, backend, runtime.settings)
         environment = dataclasses.replace(chosen.environment, job_address=runtime.environment.job_address)
         runtime = _runtime = dataclasses.replace(chosen, environment=environment)
-    runtime.strategy = strategies.create(runtime.backend, runtime.environment, **options)
+    runtime.strategy = strategies.create(runtime.backend, runtime.environment, runtime.settings, **options)
     console.announce(runtime.strategy)
     return runtime.strategy
 

@@ -8,13 +8,17 @@ tests build their own from a mapping.
 `VARIABLES` declares each variable with its type, default and one line of documentation;
 docs/settings.md is checked against it. Who-am-I variables (the launchers' ranks and
 addresses) are read by `keras_dist.environments`, and the launchers write their tasks'
-environments; nothing else reads the process environment except through `environ()`.
+environments. Nothing else touches the process environment: `Settings.variables` is a
+read-only view of it, which the runtime hands the strategies with the settings, and the
+variables keras_dist sets in it before the frameworks start go through `export`
+(tests/test_house.py checks both).
 """
 
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from keras_dist.errors import KerasDistError
@@ -149,6 +153,9 @@ class Settings:
     bind_all: bool = False
     restart: int = 0
     elastic: bool = False
+    # The environment the settings were read from, read-only (the process's, live, for
+    # `current()`): framework variables (thread pools, GPUs, a TPU's name) are read in it.
+    variables: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "Settings":
@@ -158,7 +165,7 @@ class Settings:
             text = environ.get(name)
             if text not in _UNSET:
                 values[field] = parse(name, text)
-        return cls(**values)
+        return cls(**values, variables=types.MappingProxyType(environ))
 
 
 _READERS = {
@@ -185,10 +192,10 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def environ() -> MutableMapping[str, str]:
-    """This process's environment: who-am-I parsing reads it, and framework variables are set
-    in it before the frameworks load (their thread pools, interfaces and timeouts)."""
-    return os.environ
+def export(changes: Mapping[str, str]) -> None:
+    """Sets `changes` in this process's environment, where the frameworks read them when they
+    start (thread pools, interfaces, timeouts): what `import keras_dist` asks of the strategy."""
+    os.environ.update(changes)
 
 
 @functools.cache

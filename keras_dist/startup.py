@@ -6,10 +6,12 @@ when it imports keras_dist. In a process some launcher started (`keras-dist laun
 
 1. in a job of several processes, the choice of the network interface that reaches the
    job's coordinator, for every engine that has not been told one (`keras_dist.network`);
-   then the selected strategy's `prepare_process`: settings the framework reads once (thread
-   pools), and for the TensorFlow cluster strategies their server; a TensorFlow task may
-   restart itself there with the address-binding library (`keras_dist.tf_cluster`), and
-   a parameter-server `ps` or `worker` task serves there and exits;
+   then the variables the selected strategy asks for (`process_variables`: settings the
+   framework reads once, such as thread pools), set in the environment in one place
+   (`settings.export`), and its `prepare_process`: process groups, and for the TensorFlow
+   cluster strategies their server; a TensorFlow task may restart itself there with the
+   address-binding library (`keras_dist.launchers.binding`), and a parameter-server `ps`
+   or `worker` task serves there and exits;
 2. a watcher thread that ends the task once its launcher is gone (`keras-dist launch`);
 3. when the job has several processes that each build the model (the strategy's
    `shares_random_seed`): the strategy starts (its process group) and every
@@ -51,19 +53,19 @@ def start() -> None:
     from keras_dist import console, errors, network, runtime, settings, strategies
     from keras_dist.launchers import processes
 
-    environ = settings.environ()
-    if "tensorflow" not in sys.modules:
-        console.quiet_tensorflow_start(environ, settings.current())
     facts = runtime.get()
     environment = facts.environment
+    variables = {} if "tensorflow" in sys.modules else console.quiet_tensorflow_variables(facts.settings.variables, facts.settings)
     if environment.size > 1:
-        address = network.choose_interface(environ, environment.coordinator or getattr(environment, "store", None))
+        coordinator = environment.coordinator or getattr(environment, "store", None)
+        address, interface = network.interface_variables(facts.settings.variables, coordinator)
         environment = facts.environment = dataclasses.replace(environment, job_address=address)
-    if environment.size > 1:
-        errors.uncaught_errors_in_one_line(one_line=not settings.current().debug_log)
+        variables.update(interface)
+        errors.uncaught_errors_in_one_line(one_line=not facts.settings.debug_log)
     strategy = strategies.strategy_class(facts.backend)
-    strategy.prepare_process(environ, environment)
-    processes.watch_launcher(environ)
+    settings.export({**variables, **strategy.process_variables(environment, facts.settings)})
+    strategy.prepare_process(environment, facts.settings)
+    processes.watch_launcher(facts.settings.variables)
     if strategy.shares_random_seed and environment.size > 1:
         share_random_seed(runtime.current())
 

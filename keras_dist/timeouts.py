@@ -5,7 +5,7 @@ wait for ever (torch's gloo waits 30 min, JAX's heartbeats 100 s, TensorFlow's p
 servers for ever). Joining the job and the first steps trace or compile the step function
 and start the input pipelines, on every process at its own pace; later ones are short.
 
-`policy()` is the one reading of the setting; each strategy says what its engine makes of
+`policy(settings)` is the one reading of the setting, built once per strategy and handed to its collectives; each strategy says what its engine makes of
 it (`Strategy.applied_step_timeout`), which docs/settings.md tabulates and
 tests/test_settings.py checks against the code.
 """
@@ -37,9 +37,9 @@ class StepTimeout:
     chosen: bool
 
 
-def policy(explicit: float | None = None) -> StepTimeout:
-    """The step timeout: `explicit` seconds, else `KERAS_DIST_STEP_TIMEOUT`, else 120 then 30."""
-    value = explicit or settings.current().step_timeout
+def policy(chosen: settings.Settings, explicit: float | None = None) -> StepTimeout:
+    """The step timeout: `explicit` seconds, else `KERAS_DIST_STEP_TIMEOUT` (in `chosen`), else 120 then 30."""
+    value = explicit or chosen.step_timeout
     if value:
         return StepTimeout(value, value, True)
     return StepTimeout(DEFAULT_FIRST_STEP_TIMEOUT, DEFAULT_STEP_TIMEOUT, False)

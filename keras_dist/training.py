@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_dist import inputs, optimizer_hooks, settings
+from keras_dist import inputs, optimizer_hooks
 from keras_dist.logs import flat_logs, metric_results
 from keras_dist.fault_tolerance import background_writes, resume
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
@@ -86,12 +86,13 @@ class DistributedTraining:
         # Notices and resuming inside an epoch need Keras's loop (a parameter server's own
         # loop resumes at the epoch).
         keras_loop = self.strategy.runs_keras_loops
-        automatic = backup is None and keras_loop and resume.backup_directory() is not None
+        chosen = self.strategy.settings
+        automatic = backup is None and keras_loop and chosen.backup_dir is not None
         if automatic:
-            backup = resume.automatic_backup(call)
+            backup = resume.automatic_backup(chosen.backup_dir, call)
             script_callbacks.append(backup)
             arguments["callbacks"] += callbacks_for_this_worker([backup], self.strategy)
-        restart = settings.current().restart
+        restart = chosen.restart
         if restart and self.strategy.is_chief and backup is None:
             logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
                            "so training starts over; run with keras-dist launch --backup-dir DIR (or add one) to "
@@ -100,12 +101,12 @@ class DistributedTraining:
         # wherever several processes read: each epoch's shards are then parts of one global
         # permutation, not fixed strides of the data (issue 47).
         orders = keras_loop and (backup is not None or self.strategy.input_plan.num_shards > 1)
-        position = (EpochPosition(seed=inputs.job_seed(self.strategy), elastic=settings.current().elastic)
+        position = (EpochPosition(seed=inputs.job_seed(self.strategy), elastic=chosen.elastic)
                     if orders else None)
         # One process without a backup keeps the signals' own effect, as without keras_dist.
         notice = None
         if keras_loop and (position is not None or self.strategy.size > 1):
-            notice = PreemptionNotice(self.strategy, resume.backup_seconds() if automatic else None)
+            notice = PreemptionNotice(self.strategy, chosen.backup_seconds if automatic else None)
         data, validation = inputs.fit(self.strategy, _read(arguments, "steps_per_epoch"), arguments["validation_data"],
                                       arguments["validation_split"], arguments["validation_batch_size"],
                                       arguments["validation_steps"], position, arguments["shuffle"])
@@ -117,7 +118,7 @@ class DistributedTraining:
             arguments.update(validation_data=inputs.as_validation_data(validation), validation_split=0.0)
             if arguments["validation_batch_size"] is not None:
                 arguments["validation_batch_size"] = validation.batch_size
-        if settings.current().elastic and self.strategy.is_chief and (position is None or position.resizable is None):
+        if chosen.elastic and self.strategy.is_chief and (position is None or position.resizable is None):
             # Said now, while every machine is there, not at the restart that would need it.
             logger.warning("keras_dist: this elastic job (--nnodes MIN:MAX) cannot resume this fit on another number of "
                            "processes, and a restart on fewer or more machines stops in one line: keras_dist resumes "

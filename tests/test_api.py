@@ -11,9 +11,10 @@ import pytest
 import keras_dist
 from keras_dist import strategies
 from keras_dist.inputs import arrays
-from keras_dist.environments import LocalEnvironment
 from keras_dist.launchers.processes import free_ports
 from keras_dist.errors import KerasDistError
+from keras_dist.environments import LocalEnvironment
+from keras_dist.settings import Settings
 
 from runner import BIN, PYTHON, ROOT, run, selected_backend
 
@@ -183,7 +184,7 @@ def test_an_elastic_job_says_at_the_start_of_fit_when_its_input_cannot_resume_on
 
 def test_backend_options_are_checked():
     with pytest.raises(KerasDistError, match="backend 'single' takes no option tpu; remove it from keras_dist.init"):
-        strategies.create("single", LocalEnvironment(), tpu="my-tpu")
+        strategies.create("single", LocalEnvironment(), Settings(), tpu="my-tpu")
 
 
 def test_learning_rate_warmup_leaves_the_rate_alone_when_resumed_past_the_ramp():
@@ -311,7 +312,7 @@ COUNT_DERIVATIONS = """
 import atexit, collections, os, sys
 counts = collections.Counter()
 WATCHED = {("strategies/__init__.py", "select"): "select", ("environments.py", "detect"): "detect",
-           ("settings.py", "Settings.from_environ"): "settings", ("network.py", "choose_interface"): "interface"}
+           ("settings.py", "Settings.from_environ"): "settings", ("network.py", "interface_variables"): "interface"}
 def profile(frame, event, arg):
     if event == "call" and "keras_dist" in frame.f_code.co_filename:
         where = (frame.f_code.co_filename.split("keras_dist" + os.sep, 1)[-1], frame.f_code.co_qualname)

@@ -9,7 +9,7 @@ import runner
 
 from keras_dist import strategies  # noqa: E402
 from keras_dist import launchers
-from keras_dist.tf_cluster import parse_tf_config  # noqa: E402
+from keras_dist.environments import parse_tf_config  # noqa: E402
 from keras_dist.errors import KerasDistError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)

@@ -18,10 +18,11 @@ from keras_dist import strategies
 from keras_dist import launchers
 from keras_dist.strategies.parameter_server.loop import CoordinatedSteps, refuse_batch_log_readers
 from keras_dist.strategies.parameter_server.strategy import ParameterServerStrategy
-from keras_dist.environments import LocalEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.launchers.processes import kill_process_groups
-from keras_dist.tf_cluster import tcp_listeners
+from keras_dist.network import tcp_listeners
+from keras_dist.environments import LocalEnvironment
+from keras_dist.settings import Settings
 
 pytestmark = pytest.mark.timeout(600)
 EXAMPLES = ROOT / "examples"
@@ -222,7 +223,7 @@ def test_detected_from_tf_config_with_ps_tasks():
 def test_unusable_clusters_get_a_one_line_error(cluster, task, fix):
     config = json.dumps({"cluster": cluster, "task": {"type": task, "index": 0}})
     with pytest.raises(KerasDistError, match=fix) as error:
-        ParameterServerStrategy.prepare_process({"TF_CONFIG": config}, LocalEnvironment())
+        ParameterServerStrategy.process_variables(LocalEnvironment(), Settings.from_environ({"TF_CONFIG": config}))
     assert "\n" not in str(error.value)
 
 

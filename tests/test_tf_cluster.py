@@ -13,7 +13,8 @@ import pytest
 import runner
 
 from keras_dist.launchers.processes import free_ports  # noqa: E402
-from keras_dist.tf_cluster import BIND_ALL_ENV, tcp_listeners  # noqa: E402
+from keras_dist.launchers.binding import BIND_ALL_ENV  # noqa: E402
+from keras_dist.network import tcp_listeners  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -91,7 +91,7 @@ class TorchDistributed(TorchTensors):
 
     name = "torch.distributed"
 
-    def __init__(self, torch: Any, environment: ClusterEnvironment):
+    def __init__(self, torch: Any, environment: ClusterEnvironment, step_timeout: timeouts.StepTimeout):
         import torch.distributed as dist
 
         self._dist = dist
@@ -104,7 +104,7 @@ class TorchDistributed(TorchTensors):
             # A collective cannot tell a frozen peer from one busy with the chief's own work
             # (a checkpoint) between steps, so it waits as long as a first step may take:
             # bounded, where gloo's default is 30 minutes.
-            self.timeout = timeouts.policy().first
+            self.timeout = step_timeout.first
             try:
                 dist.init_process_group(_engine(torch, environment),
                                         init_method=f"tcp://{coordinator}", rank=environment.rank,

@@ -27,15 +27,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
 
-from keras_dist import settings
 from keras_dist.fault_tolerance import background_writes
 from keras_dist.launchers.processes import NOTICE_SIGNALS
+from keras_dist.settings import Settings
 
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
@@ -165,16 +164,17 @@ class PreemptionNotice(keras.callbacks.Callback):
                                "keras-dist launch --backup-dir DIR (or KERAS_DIST_BACKUP_DIR) to resume from here "
                                "(exit %s)", PREEMPTED_EXIT_CODE)
             if self.saved_in and self.requeue:
-                requeue_slurm_job(settings.environ(), settings.current())
+                requeue_slurm_job(self.strategy.settings)
         sys.stdout.flush()
         sys.stderr.flush()
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
 
-def requeue_slurm_job(environ: Mapping[str, str], chosen: settings.Settings) -> None:
-    """Puts the SLURM batch job this process runs in back in the queue (`scontrol requeue`),
-    where there is one and `KERAS_DIST_SLURM_REQUEUE` is not `0`; says in one line what came of it."""
-    job = environ.get("SLURM_JOB_ID")
+def requeue_slurm_job(chosen: Settings) -> None:
+    """Puts the SLURM batch job this process runs in (`SLURM_JOB_ID` in `chosen.variables`) back
+    in the queue (`scontrol requeue`), where there is one and `KERAS_DIST_SLURM_REQUEUE` is not
+    `0` in `chosen`; says in one line what came of it."""
+    job = chosen.variables.get("SLURM_JOB_ID")
     if not job or not chosen.slurm_requeue:
         return
     try:

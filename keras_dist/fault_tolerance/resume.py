@@ -35,7 +35,6 @@ import numpy as np
 
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
 from keras_dist.inputs.position import EpochPosition
-from keras_dist import settings
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import methods_while, override
 
@@ -81,22 +80,12 @@ def backup_of(callbacks: list) -> keras.callbacks.BackupAndRestore | None:
                  if isinstance(c, keras.callbacks.BackupAndRestore)), None)
 
 
-def backup_directory() -> str | None:
-    """The directory of automatic backups (`KERAS_DIST_BACKUP_DIR`), or None."""
-    return settings.current().backup_dir
-
-
-def backup_seconds() -> float:
-    """The seconds between automatic backups inside an epoch (`KERAS_DIST_BACKUP_SECONDS`, default 300)."""
-    return settings.current().backup_seconds
-
-
-def automatic_backup(call: int) -> keras.callbacks.BackupAndRestore:
-    """The backup of this process's `call`-th fit under `KERAS_DIST_BACKUP_DIR` (a script
-    without a `BackupAndRestore` of its own): at each epoch's end, every
-    `backup_seconds()` and at the preemption notice. It is kept when its fit ends, so that
-    a rerun does not train a finished fit again: it restores its last state instead."""
-    directory = os.path.join(backup_directory(), f"fit-{call}")
+def automatic_backup(directory: str, call: int) -> keras.callbacks.BackupAndRestore:
+    """The backup of this process's `call`-th fit under `directory` (`KERAS_DIST_BACKUP_DIR`,
+    for a script without a `BackupAndRestore` of its own): at each epoch's end, every
+    `KERAS_DIST_BACKUP_SECONDS` and at the preemption notice. It is kept when its fit ends, so
+    that a rerun does not train a finished fit again: it restores its last state instead."""
+    directory = os.path.join(directory, f"fit-{call}")
     return keras.callbacks.BackupAndRestore(directory, save_freq="epoch", delete_checkpoint=False)
 
 

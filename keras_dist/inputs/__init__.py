@@ -39,8 +39,6 @@ from keras_dist.inputs.base import Inputs, job_seed  # noqa: F401 (the package's
 from keras_dist.inputs.position import EpochPosition
 
 if TYPE_CHECKING:
-    import tensorflow as tf
-
     from keras_dist.strategies.base import Strategy
 
 

@@ -7,7 +7,7 @@ import threading
 from keras_dist import network
 from keras_dist.errors import KerasDistError
 from keras_dist.launchers.base import Launcher, Task
-from keras_dist.tf_cluster import binding_env
+from keras_dist.launchers.binding import binding_env
 
 
 class HorovodGlooLauncher(Launcher):

@@ -82,6 +82,12 @@ class Ended:
     failed_task: str | None = None
 
 
+def child_environment(**variables: str) -> dict[str, str]:
+    """This process's environment with `variables` in it: what a child process the
+    `keras-dist` tool starts inherits."""
+    return {**os.environ, **variables}
+
+
 def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: float = 0.2,
               grace_seconds: float = 30.0, stop_when: Callable[[], str | None] | None = None) -> Ended:
     """Starts `tasks`, waits for all of them, returns the first failing exit code (or 0) and its task.
@@ -96,7 +102,7 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
         out.write(f"[keras-dist] ignoring {', '.join(inherited)} from the shell: each task gets its own\n")
     base = {k: v for k, v in os.environ.items() if k not in inherited}
     chosen = settings.Settings.from_environ(base)
-    console.quiet_tensorflow_start(base, chosen)
+    base.update(console.quiet_tensorflow_variables(base, chosen))
     quiet = not chosen.debug_log
     procs, pumps = [], []
     terminate_with_parent = _parent_death_signal()

@@ -6,7 +6,7 @@ import sys
 
 from keras_dist.launchers.base import Launcher, Task
 from keras_dist.launchers.processes import free_ports
-from keras_dist.tf_cluster import binding_env
+from keras_dist.launchers.binding import binding_env
 
 
 class TFConfigLauncher(Launcher):

@@ -106,14 +106,15 @@ def select(requested: str | None, environ: Mapping[str, str], chosen: "Settings"
     return "single", "no launcher detected"
 
 
-def create(name: str, environment: "ClusterEnvironment", **options: Any) -> "Strategy":
-    """A started backend in `environment` (its `cluster_environment`); `options` go to its
+def create(name: str, environment: "ClusterEnvironment", chosen: "Settings", **options: Any) -> "Strategy":
+    """Backend `name`, started in `environment` (its `cluster_environment`) with keras_dist's
+    settings `chosen` (and the variables they were read from); `options` go to its
     constructor (e.g. `tpu=` for `tpu`)."""
     cls = strategy_class(name)
-    unknown = set(options) - (set(inspect.signature(cls.__init__).parameters) - {"environment"})
+    unknown = set(options) - (set(inspect.signature(cls.__init__).parameters) - {"environment", "chosen"})
     if unknown:
         raise KerasDistError(f"backend {name!r} takes no option {', '.join(sorted(unknown))}; remove it from keras_dist.init")
-    return cls(environment, **options)
+    return cls(environment, chosen, **options)
 
 
 def launcher_of(name: str) -> str:

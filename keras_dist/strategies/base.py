@@ -17,18 +17,20 @@ Three families fit behind it:
 
 import abc
 import contextlib
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from keras_dist import settings, timeouts
+from keras_dist import timeouts
 from keras_dist.collectives import SINGLE, Collectives
 from keras_dist.environments import ClusterEnvironment, LocalEnvironment
+from keras_dist.settings import Settings
 
 if TYPE_CHECKING:
     import keras
+
 
 
 @dataclass(frozen=True)
@@ -45,14 +47,14 @@ class GradientOptions:
     compression: str | None = None
 
 
-def bucket_bytes(default: int, chosen: "settings.Settings | None" = None) -> int:
-    """Bytes of gradients per collective: `KERAS_DIST_BUCKET_BYTES` (from `chosen`, default
-    this process's settings), else the backend's `default`.
+def bucket_bytes(default: int, chosen: Settings) -> int:
+    """Bytes of gradients per collective: `KERAS_DIST_BUCKET_BYTES` (in `chosen`, the
+    strategy's settings), else the backend's `default`.
 
     Smaller buckets start communicating earlier in the backward pass; larger ones pay
     fewer collectives' fixed costs. 0: one collective per gradient tensor.
     """
-    value = (chosen or settings.current()).bucket_bytes
+    value = chosen.bucket_bytes
     return default if value is None else value
 
 
@@ -109,8 +111,12 @@ class Strategy(abc.ABC):
 
     Args:
         environment: this process's place in its job, as its launcher set it
-            (`cluster_environment`); strategies read it instead of the environment
-            variables. Single-process strategies keep `rank` 0 and `size` 1 whatever it says.
+            (`cluster_environment`), kept as `environment`. Single-process strategies keep
+            `rank` 0 and `size` 1 whatever it says.
+        chosen: keras_dist's settings, read once (`keras_dist.settings`), kept as
+            `settings`; framework variables are read in their `variables`, and the step
+            timeout is built from them once (`step_timeout`). A strategy reads no
+            environment variable itself. None: the defaults (tests).
     """
 
     name: ClassVar[str] = ""
@@ -128,8 +134,10 @@ class Strategy(abc.ABC):
     # Its processes' host-side collectives (one process: `SINGLE`, which does nothing).
     collectives: Collectives = SINGLE
 
-    def __init__(self, environment: ClusterEnvironment | None = None):
+    def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
         self.environment = environment or LocalEnvironment()
+        self.settings = chosen or Settings()
+        self.step_timeout = timeouts.policy(self.settings)
 
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str] | None:
@@ -154,12 +162,18 @@ class Strategy(abc.ABC):
         return detected
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
-        """Called at `import keras_dist` for the chosen strategy, before the framework starts;
-        `environment` is this process's place (`cluster_environment`).
+    def process_variables(cls, environment: ClusterEnvironment, chosen: Settings) -> dict[str, str]:
+        """The environment variables this backend's framework must find set when it starts
+        (thread pools, timeouts, its server's address), asked at `import keras_dist` for the
+        chosen strategy, which `keras_dist.startup` sets (`settings.export`); a variable the
+        user set (in `chosen.variables`) is left alone."""
+        return {}
 
-        The place for settings TensorFlow reads only once (thread pools, visible devices).
-        """
+    @classmethod
+    def prepare_process(cls, environment: ClusterEnvironment, chosen: Settings) -> None:
+        """Called at `import keras_dist` for the chosen strategy once its `process_variables`
+        are set, before the script builds anything: the place for what the framework does
+        once per process (a process group, a TensorFlow server, the local GPU)."""
 
     # --- topology -------------------------------------------------------------
     @property

@@ -9,18 +9,20 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import errors, settings, timeouts
+from keras_dist import errors, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 from keras_dist.environments import ClusterEnvironment, MPIEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError, PeerFailure
+from keras_dist.settings import Settings
 
 if TYPE_CHECKING:
     import keras
+
 
 logger = logging.getLogger("keras_dist")
 # Horovod's Gloo timeout in seconds, for every collective and its start.
@@ -62,24 +64,26 @@ class HorovodStrategy(Strategy):
         return MPIEnvironment.detect(environ)
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
+    def process_variables(cls, environment: ClusterEnvironment, chosen: Settings) -> dict[str, str]:
+        variables, changes = chosen.variables, {}
         # N processes on one host would each start a thread pool as wide as the machine;
         # give each its share of the cores unless the user chose.
         local_size = environment.local_size
-        if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
-            environ["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
+        if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in variables:
+            changes["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
         # The step timeout is, on Horovod, its Gloo timeout (read once, by hvd.init; 30 s
         # by default), unless horovodrun's own was given.
-        step_timeout = timeouts.policy()
-        if step_timeout.chosen and GLOO_TIMEOUT not in environ:
-            environ[GLOO_TIMEOUT] = str(math.ceil(step_timeout.later))
+        step_timeout = timeouts.policy(chosen)
+        if step_timeout.chosen and GLOO_TIMEOUT not in variables:
+            changes[GLOO_TIMEOUT] = str(math.ceil(step_timeout.later))
+        return changes
 
     @classmethod
     def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> MPIEnvironment:
         return detected if isinstance(detected, MPIEnvironment) else MPIEnvironment.from_environ(environ)
 
-    def __init__(self, environment: MPIEnvironment | None = None):
-        super().__init__(environment)
+    def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
+        super().__init__(environment, chosen)
         self._hvd = _import_horovod()
         self._hvd.init()
         self.collectives = HorovodTensorFlow(self._hvd)
@@ -140,7 +144,7 @@ class HorovodStrategy(Strategy):
                                    exited=True)
         except OSError:  # the store is horovodrun's, on the launching machine
             stopped = [f"horovodrun's machine ({environment.store})"]
-        timeout = settings.environ().get(GLOO_TIMEOUT, "30")
+        timeout = self.settings.variables.get(GLOO_TIMEOUT, "30")
         return PeerFailure(stopped, f"{timeout} s", f"or raise {timeouts.STEP_TIMEOUT_VAR} (or horovodrun "
                            "--gloo-timeout-seconds) if a step can take that long")
 
@@ -181,7 +185,7 @@ class HorovodStrategy(Strategy):
             # ready in the same cycle (faster than fixed buckets or one collective after the
             # backward pass on a slow link: bench/results/2026-11-24-cpu-2core.md).
             runs = buckets([(g.shape.num_elements() or 0) * g.dtype.size for g in dense], [g.dtype for g in dense],
-                           bucket_bytes(default=0))
+                           bucket_bytes(0, self.settings))
             reduced = []
             for run in runs:
                 reduced += collectives.reduce_in_step([dense[i] for i in run], mean=options.reduction == "mean",

@@ -22,19 +22,20 @@ import pkgutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import keras
 import numpy as np
 
-from keras_dist import environments, keras_workarounds_jax, network, settings, timeouts
+from keras_dist import environments, keras_workarounds_jax, network, timeouts
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
 from keras_dist.overrides import override
+from keras_dist.settings import Settings
 
 logger = logging.getLogger("keras_dist")
 
@@ -42,7 +43,7 @@ logger = logging.getLogger("keras_dist")
 _started = False
 
 
-def _start_process_group(environment):
+def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> None:
     """Joins this process (at `environment`'s place) to its job's JAX process group (once,
     before any JAX computation).
 
@@ -72,8 +73,8 @@ def _start_process_group(environment):
             # This machine is the coordinator's, and its name resolves to loopback here (Debian's
             # 127.0.1.1), where the coordinator does not listen: reach it by its address.
             coordinator = f"{address}:{port}"
-        gpus = _local_gpus(settings.environ(), environment)
-        step_timeout = timeouts.policy()
+        gpus = _local_gpus(chosen.variables, environment)
+        step_timeout = timeouts.policy(chosen)
         start = step_timeout.first
         unjoined = (f"process {environment.rank} did not join JAX's process group at {coordinator} within {start:g} s, "
                     f"advertising {address}; check the coordinator address and set GLOO_SOCKET_IFNAME to the interface "
@@ -91,7 +92,7 @@ def _start_process_group(environment):
                                        process_id=environment.rank, initialization_timeout=int(start) + 5,
                                        heartbeat_timeout_seconds=2 * int(later) + _PeerWatch.MARGIN,
                                        local_device_ids=gpus,
-                                       coordinator_bind_address=None if bind is None or settings.current().bind_all
+                                       coordinator_bind_address=None if bind is None or chosen.bind_all
                                        else f"{bind}:{port}")
         except RuntimeError as exc:
             raise KerasDistError(f"JAX's process group did not start ({str(exc).splitlines()[0]}); `import keras_dist` "
@@ -247,17 +248,17 @@ class JaxDataParallelStrategy(Strategy):
         return detected.size > 1
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
-        _start_process_group(environment)
+    def prepare_process(cls, environment: ClusterEnvironment, chosen: Settings) -> None:
+        _start_process_group(environment, chosen)
 
-    def __init__(self, environment: ClusterEnvironment | None = None):
-        super().__init__(environment)
+    def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
+        super().__init__(environment, chosen)
         if keras.backend.backend() != "jax":
             raise KerasDistError(f"backend 'jax' needs Keras on JAX, but Keras runs on {keras.backend.backend()!r}; "
                                  "set KERAS_BACKEND=jax before Python starts")
         import jax
 
-        _start_process_group(self.environment)
+        _start_process_group(self.environment, self.settings)
         self._jax = jax
         self.collectives = JaxProcesses(jax)
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)

@@ -13,7 +13,7 @@ import os
 import re
 import sys
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from keras_dist import keras_workarounds, timeouts
@@ -21,16 +21,19 @@ from keras_dist.collectives.tf_distribute import TFDistribute
 from keras_dist.strategies.base import InputPlan, bucket_bytes
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.callbacks.scratch import ScratchCallback
-from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, threads_per_process
+from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, detected_cluster, threads_per_process
 from keras_dist.errors import KerasDistError, PeerFailure
+from keras_dist.launchers import binding
 from keras_dist.overrides import override, set_while
-from keras_dist.tf_cluster import detected_cluster, prepare_server_process
+from keras_dist.settings import Settings
+from keras_dist.strategies import tf_server
 
 logger = logging.getLogger("keras_dist")
 
 if TYPE_CHECKING:
     import keras
     import tensorflow as tf
+
 
 # Gradient bytes per all-reduce (TensorFlow's CommunicationOptions.bytes_per_pack; 0: one
 # for all). bench/hosts.py, the CNN between two hosts at 200 Mbit/s: 908 samples/s with
@@ -62,27 +65,34 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         return cluster is not None and not cluster.get("ps")
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
-        global _strategy
+    def process_variables(cls, environment: ClusterEnvironment, chosen: Settings) -> dict[str, str]:
+        changes = {}
         local_size = environment.local_size
-        if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in environ:
+        if local_size > 1 and "TF_NUM_INTRAOP_THREADS" not in chosen.variables:
             # Workers sharing this machine would each size a thread pool for all of it.
-            environ["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
+            changes["TF_NUM_INTRAOP_THREADS"] = str(threads_per_process(local_size))
         if _strategy is None:
-            prepare_server_process(environ)
-            _strategy = _make_strategy()
+            changes.update(tf_server.server_variables(chosen.variables, chosen))
+        return changes
+
+    @classmethod
+    def prepare_process(cls, environment: ClusterEnvironment, chosen: Settings) -> None:
+        global _strategy
+        if _strategy is None:
+            binding.restart_with_binding()
+            _strategy = _make_strategy(chosen)
 
     @classmethod
     def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> TFConfigEnvironment:
         return detected if isinstance(detected, TFConfigEnvironment) else TFConfigEnvironment.from_environ(environ)
 
-    def __init__(self, environment: TFConfigEnvironment):
+    def __init__(self, environment: TFConfigEnvironment, chosen: Settings | None = None):
         if environment.rank >= environment.size:
             raise KerasDistError(f"TF_CONFIG task {environment.task_type!r} does not train under backend "
                                  "'multi_worker_mirrored'; run it as a 'worker'")
-        super().__init__(environment)
+        super().__init__(environment, chosen)
         self.collectives = TFDistribute(self.strategy, environment.rank, environment.size)
-        if timeouts.policy().chosen and self.is_chief:
+        if self.step_timeout.chosen and self.is_chief:
             logger.warning("keras_dist: backend 'multi_worker_mirrored' does not apply %s: TensorFlow's collectives "
                            "take no timeout from keras_dist (one costs a thread per collective); a stopped worker "
                            "ends the job at TensorFlow's heartbeat timeout", timeouts.STEP_TIMEOUT_VAR)
@@ -92,7 +102,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         return "TensorFlow's own", "TensorFlow's heartbeat timeout", "TensorFlow's heartbeat timeout"
 
     def make_strategy(self) -> "tf.distribute.Strategy":
-        return _strategy if _strategy is not None else _make_strategy()
+        return _strategy if _strategy is not None else _make_strategy(self.settings)
 
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
         from keras_dist.callbacks.sync_state import check_same_variables
@@ -194,7 +204,7 @@ def predict_locally(model: "keras.Model", strategy: "tf.distribute.Strategy") ->
     override(model, "make_predict_function", make_predict_function)
 
 
-def _make_strategy():
+def _make_strategy(chosen: Settings) -> "tf.distribute.MultiWorkerMirroredStrategy":
     import tensorflow as tf
 
     from keras_dist.keras_workarounds import with_undivided_losses
@@ -211,7 +221,7 @@ def _make_strategy():
             # Keras all-reduces the gradients once all exist, as one concatenated tensor
             # unless packs are set: TensorFlow then starts each pack, last layers first,
             # as soon as its gradients exist, while the backward pass goes on.
-            packs = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=bucket_bytes(default=PACK_BYTES))
+            packs = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=bucket_bytes(PACK_BYTES, chosen))
             super().__init__(communication_options=packs)
             # Shards every worker reads in batches of the same number and sizes (`take_input`).
             self.equal_steps = weakref.WeakSet()

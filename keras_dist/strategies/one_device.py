@@ -3,11 +3,13 @@
 from typing import TYPE_CHECKING
 
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
-from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
+from keras_dist.settings import Settings
+from keras_dist.environments import ClusterEnvironment
 
 if TYPE_CHECKING:
     import tensorflow as tf
+
 
 
 class OneDeviceStrategy(TFDistributeStrategy):
@@ -31,9 +33,9 @@ class OneDeviceStrategy(TFDistributeStrategy):
 
     name = "one_device"
 
-    def __init__(self, environment: ClusterEnvironment | None = None, device: str | None = None):
+    def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None, device: str | None = None):
         self.requested_device = device  # keras_dist.init(backend="one_device", device=...)
-        super().__init__(environment)
+        super().__init__(environment, chosen)
 
     def make_strategy(self) -> "tf.distribute.Strategy":
         import tensorflow as tf

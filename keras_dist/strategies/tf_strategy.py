@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import tensorflow as tf
 
 from keras_dist import keras_workarounds
-from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.keras_workarounds import UNDIVIDED_LOSSES
 from keras_dist.strategies.base import Strategy, GradientOptions
+from keras_dist.settings import Settings
+from keras_dist.environments import ClusterEnvironment
 
 if TYPE_CHECKING:
     import keras
+
 
 
 class TFDistributeStrategy(Strategy):
@@ -33,8 +35,8 @@ class TFDistributeStrategy(Strategy):
     keras_workarounds: ClassVar[tuple[Callable, ...]] = (keras_workarounds.build_from_local_batch,
                                                         keras_workarounds.step_functions)
 
-    def __init__(self, environment: ClusterEnvironment | None = None):
-        super().__init__(environment)
+    def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
+        super().__init__(environment, chosen)
         self.strategy = self.make_strategy()
 
     def make_strategy(self) -> tf.distribute.Strategy:

@@ -18,20 +18,23 @@ train.py`, or any launcher whose cluster environment names a coordinator (`srun`
 """
 
 import itertools
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import keras_workarounds_torch, settings, timeouts
+from keras_dist import keras_workarounds_torch, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
+from keras_dist.settings import Settings
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 
 if TYPE_CHECKING:
     import keras
     import torch
+
+    from keras_dist.collectives import Collectives
 
 # Gradients travel in flat buckets of about this size: few collectives, bounded copies.
 BUCKET_BYTES = 25 * 2**20
@@ -54,7 +57,7 @@ class TorchDistributedStrategy(Strategy):
         return detected.size > 1
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
+    def prepare_process(cls, environment: ClusterEnvironment, chosen: Settings) -> None:
         # At import, before the script builds its model: Keras puts variables on the current GPU.
         _take_local_gpu(environment)
 
@@ -65,10 +68,10 @@ class TorchDistributedStrategy(Strategy):
         # (Under horovodrun, Horovod's collectives: as backend 'horovod'.)
         return (f"{policy.first:g} s",) * 3
 
-    def __init__(self, environment: ClusterEnvironment | None = None):
+    def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
         import keras
 
-        super().__init__(environment)
+        super().__init__(environment, chosen)
 
         if keras.backend.backend() != "torch":
             raise KerasDistError(f"backend 'torch' needs Keras on PyTorch, but Keras runs on "
@@ -77,11 +80,11 @@ class TorchDistributedStrategy(Strategy):
 
         self._torch = torch
         environment = self.environment
-        if environment.local_size > 1 and "OMP_NUM_THREADS" not in settings.environ():
+        if environment.local_size > 1 and "OMP_NUM_THREADS" not in self.settings.variables:
             # Processes sharing this machine would each size a thread pool for all of it.
             torch.set_num_threads(environment.threads_per_process)
         _take_local_gpu(environment)  # again: `keras_dist.init(backend="torch")` chose this strategy after import
-        self.collectives = _collectives(torch, environment)
+        self.collectives = _collectives(torch, environment, self.settings.variables, self.step_timeout)
         self.in_train_step = False  # gradient hooks start collectives only inside train steps
         # id(optimizer) -> its OverlappedGradients. Dropped at each compile, on every process
         # alike: hooks left to the garbage collector would start collectives on some only.
@@ -147,7 +150,7 @@ class TorchDistributedStrategy(Strategy):
         """Each tensor summed (or averaged) over processes, through a few flat collectives
         named `name.0`, `name.1`..."""
         out = []
-        for k, bucket in enumerate(tensor_buckets(tensors)):
+        for k, bucket in enumerate(tensor_buckets(tensors, self.settings)):
             out += self._finish_allreduce(self._start_allreduce(bucket, options, f"{name}.{k}"), bucket, options)
         return out
 
@@ -198,25 +201,24 @@ def _take_local_gpu(environment: ClusterEnvironment) -> None:
         torch.cuda.set_device(environment.local_rank % torch.cuda.device_count())
 
 
-def _collectives(torch, environment):
+def _collectives(torch: Any, environment: ClusterEnvironment, variables: Mapping[str, str],
+                 step_timeout: timeouts.StepTimeout) -> "Collectives":
     """Horovod's torch operations under horovodrun where Horovod was built for PyTorch, else torch.distributed."""
-    if "HOROVOD_RANK" in settings.environ():  # horovodrun, or `keras-dist launch --backend horovod`
+    if "HOROVOD_RANK" in variables:  # horovodrun, or `keras-dist launch --backend horovod`
         try:
             import horovod.torch as hvd
         except Exception:  # not installed, or built without PyTorch (Horovod raises its own errors)
             pass
         else:
             return HorovodTorch(torch, hvd)
-    return TorchDistributed(torch, environment)
+    return TorchDistributed(torch, environment, step_timeout)
 
 
-def tensor_buckets(tensors: Sequence["torch.Tensor"], first: int | None = None) -> list[list["torch.Tensor"]]:
-    """`tensors` in consecutive runs of one dtype of about `bucket_bytes()` (`buckets`); the first run
-    of about `first` bytes where the user chose no bucket size."""
-    chosen = settings.current().bucket_bytes
-    limit = bucket_bytes(BUCKET_BYTES)
-    runs = buckets([t.numel() * t.element_size() for t in tensors], [t.dtype for t in tensors], limit,
-                   first if chosen is None else None)
+def tensor_buckets(tensors: Sequence["torch.Tensor"], chosen: Settings, first: int | None = None) -> list[list["torch.Tensor"]]:
+    """`tensors` in consecutive runs of one dtype of about `bucket_bytes` (`buckets`); the first run
+    of about `first` bytes where the user chose no bucket size (in `chosen`)."""
+    runs = buckets([t.numel() * t.element_size() for t in tensors], [t.dtype for t in tensors],
+                   bucket_bytes(BUCKET_BYTES, chosen), first if chosen.bucket_bytes is None else None)
     return [[tensors[i] for i in run] for run in runs]
 
 
@@ -243,7 +245,7 @@ class OverlappedGradients:
         self.strategy, self.options, self.name = strategy, options, name
         self.params = [v.value for v in variables][::-1]
         self.buckets = []  # lists of indices into params
-        for run in tensor_buckets(self.params, first=FIRST_BUCKET_BYTES):
+        for run in tensor_buckets(self.params, strategy.settings, first=FIRST_BUCKET_BYTES):
             start = sum(len(b) for b in self.buckets)
             self.buckets.append(list(range(start, start + len(run))))
         self.bucket_of = [k for k, bucket in enumerate(self.buckets) for _ in bucket]

@@ -4,13 +4,15 @@ import glob
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from keras_dist import keras_workarounds, settings
+from keras_dist import keras_workarounds
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError, first_line
+from keras_dist.settings import Settings
 
 if TYPE_CHECKING:
     import tensorflow as tf
+
 
 # Steps run per host call unless the script sets `steps_per_execution` itself: a TPU
 # step is short, and a host round trip per step would leave the TPU idle.
@@ -29,7 +31,7 @@ def tpu_address(environ: Mapping[str, str], requested: str | None = None,
     Example:
 
     ```python
-    tpu_address(settings.environ())  # "my-tpu", "local" on a TPU VM, or None
+    tpu_address(chosen.variables)  # "my-tpu", "local" on a TPU VM, or None
     ```
     """
     if requested:
@@ -55,9 +57,9 @@ class TPUStrategy(TFDistributeStrategy):
     # TPUStrategy runs Keras's own step functions (keras_workarounds.step_functions is for the others).
     keras_workarounds = (keras_workarounds.build_from_local_batch,)
 
-    def __init__(self, environment: ClusterEnvironment | None = None, tpu: str | None = None):
+    def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None, tpu: str | None = None):
         self.requested_tpu = tpu  # keras_dist.init(backend="tpu", tpu=...)
-        super().__init__(environment)
+        super().__init__(environment, chosen)
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -66,7 +68,7 @@ class TPUStrategy(TFDistributeStrategy):
     def make_strategy(self) -> "tf.distribute.Strategy":
         import tensorflow as tf
 
-        address = tpu_address(settings.environ(), self.requested_tpu or settings.current().tpu)
+        address = tpu_address(self.settings.variables, self.requested_tpu or self.settings.tpu)
         if address is None:
             raise KerasDistError(
                 "backend 'tpu' found no TPU: set TPU_NAME (or KERAS_DIST_TPU) to your TPU's name, "

@@ -18,6 +18,7 @@ from keras_dist.strategies.parameter_server import sharded_variables
 from keras_dist.callbacks.batch_logs import reads_batch_logs
 from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.logs import flat_logs, metric_results
+from keras_dist.settings import Settings
 
 
 class CoordinatedSteps:
@@ -37,7 +38,7 @@ class CoordinatedSteps:
             closures in flight; a stalled step probes them to name a frozen one).
         step_timeout: how long a step may take before the job stops with a one-line error:
             its `first` until a step function has run `timeouts.FIRST_STEPS` times on each
-            worker's share, then its `later`; None: `timeouts.policy()`.
+            worker's share, then its `later`; None: the defaults.
         stalled: set when a step did not finish in time.
     """
 
@@ -45,7 +46,7 @@ class CoordinatedSteps:
                  coordinator: tf.distribute.coordinator.ClusterCoordinator, workers: Sequence[str] = ("",),
                  step_timeout: timeouts.StepTimeout | None = None, stalled: threading.Event | None = None) -> None:
         self.model = model
-        self.step_timeout = step_timeout or timeouts.policy()
+        self.step_timeout = step_timeout or timeouts.policy(Settings())
         self.workers = workers
         self._finished = {}  # step function -> steps fetched
         self.stalled = stalled or threading.Event()

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from keras_dist import console, network
 from keras_dist.errors import KerasDistError
-from keras_dist.tf_cluster import parse_tf_config
+from keras_dist.environments import parse_tf_config
 
 SERVING_TASKS = ("worker", "ps")
 logger = logging.getLogger("keras_dist")
@@ -115,7 +115,7 @@ def _end_note(cluster: dict, kind: str, index: int) -> str:
     """The file by which the chief tells server `kind:index` of this job that the job ended cleanly.
 
     Named by the cluster's ports, which every task sees alike (a task may rename its own
-    host by its address, see `prepare_server_process`).
+    host by its address, see `keras_dist.strategies.tf_server`).
     """
     ports = {name: [address.rpartition(":")[2] for address in tasks] for name, tasks in cluster.items()}
     job = hashlib.sha256(json.dumps(ports, sort_keys=True).encode()).hexdigest()[:12]

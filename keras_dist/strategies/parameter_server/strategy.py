@@ -4,22 +4,22 @@ import contextlib
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from keras_dist import keras_workarounds, network, optimizer_hooks, settings, timeouts
-from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment
+from keras_dist import keras_workarounds, network, optimizer_hooks, timeouts
+from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, detected_cluster
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
+from keras_dist.launchers import binding
+from keras_dist.settings import Settings
+from keras_dist.strategies import tf_server
 from keras_dist.strategies.base import GradientOptions, Strategy
 from keras_dist.strategies.parameter_server.loop import CoordinatedSteps
 from keras_dist.strategies.parameter_server.server import SERVING_TASKS, announce_end, ps_cluster, serve
 from keras_dist.strategies.tf_strategy import adopt_optimizer, move_variables
-from keras_dist.tf_cluster import detected_cluster, prepare_server_process
-
-
 
 class ParameterServerStrategy(Strategy):
     """Asynchronous training with variables on parameter servers.
@@ -71,14 +71,20 @@ class ParameterServerStrategy(Strategy):
         return bool((detected_cluster(environ) or {}).get("ps"))
 
     @classmethod
-    def prepare_process(cls, environ: MutableMapping[str, str], environment: ClusterEnvironment) -> None:
-        ps_cluster(environ)  # its one-line errors first
-        prepare_server_process(environ)
-        cluster, kind, index = ps_cluster(environ)  # as it may have rewritten TF_CONFIG
+    def process_variables(cls, environment: ClusterEnvironment, chosen: Settings) -> dict[str, str]:
+        ps_cluster(chosen.variables)  # its one-line errors first
+        changes = tf_server.server_variables(chosen.variables, chosen)
+        if "GRPC_FAIL_FAST" not in chosen.variables:
+            # The coordinator retries a step on another worker only if RPCs fail fast.
+            changes["GRPC_FAIL_FAST"] = "use_caller"
+        return changes
+
+    @classmethod
+    def prepare_process(cls, environment: ClusterEnvironment, chosen: Settings) -> None:
+        binding.restart_with_binding()
+        cluster, kind, index = ps_cluster(chosen.variables)  # as `process_variables` may have rewritten TF_CONFIG
         if kind in SERVING_TASKS:
             sys.exit(serve(cluster, kind, index))
-        # The coordinator retries a step on another worker only if RPCs fail fast.
-        environ.setdefault("GRPC_FAIL_FAST", "use_caller")
         # Connecting moves this process's devices into the cluster and invalidates variables
         # made before; connect now, so models the script builds before compile stay valid.
         tf.config.experimental_connect_to_cluster(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
@@ -89,16 +95,17 @@ class ParameterServerStrategy(Strategy):
         ps_cluster(environ)  # its one-line errors first
         return detected if isinstance(detected, TFConfigEnvironment) else TFConfigEnvironment.from_environ(environ)
 
-    def __init__(self, environment: TFConfigEnvironment, variable_partitioner: Any = None, step_timeout: float | None = None):
-        super().__init__(environment)
-        cluster, kind = environment.cluster, environment.task_type
-        self.step_timeout = timeouts.policy(step_timeout)
+    def __init__(self, environment: TFConfigEnvironment, chosen: Settings | None = None, variable_partitioner: Any = None,
+                 step_timeout: float | None = None):
+        super().__init__(environment, chosen)
+        cluster, kind = self.environment.cluster, self.environment.task_type
+        self.step_timeout = timeouts.policy(self.settings, step_timeout)
         if kind != "chief":
             raise KerasDistError(f"TF_CONFIG task {kind!r} serves under backend 'parameter_server'; "
                                  "only the 'chief' task runs the script past `import keras_dist`")
         self.cluster = cluster
         self.num_workers = len(cluster["worker"])
-        self.variable_partitioner = variable_partitioner or _partitioner_from_settings(len(cluster["ps"]))
+        self.variable_partitioner = variable_partitioner or _partitioner_from_settings(len(cluster["ps"]), self.settings)
         self.strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
                                                               variable_partitioner=self.variable_partitioner)
         if self.strategy.num_replicas_in_sync > 1:
@@ -182,8 +189,8 @@ class ParameterServerStrategy(Strategy):
             raise
 
 
-def _partitioner_from_settings(num_ps, chosen=None):
-    min_shard_bytes = (chosen or settings.current()).min_shard_bytes
+def _partitioner_from_settings(num_ps: int, chosen: Settings) -> Any:
+    min_shard_bytes = chosen.min_shard_bytes
     if min_shard_bytes is None:
         return None
     return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=min_shard_bytes, max_shards=num_ps)
