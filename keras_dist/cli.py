@@ -72,7 +72,7 @@ def _launch(args):
     _require_engine(args.backend)
     from keras_dist.launchers.agent import Job, JobState
     from keras_dist.launchers.nodes import JobEnded, Nodes, directory
-    from keras_dist.launchers.processes import BACKUP_DIR, ELASTIC, RESTART
+    from keras_dist.launchers.processes import BACKUP_DIR_VARIABLE, ELASTIC_VARIABLE, RESTART_VARIABLE
 
     nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != "1" else None
     if nodes and nodes.elastic and args.backend == "parameter_server":
@@ -91,11 +91,11 @@ def _launch(args):
         tasks = strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args],
                                          placed if placed and placed.count > 1 else None)
         for task in tasks:
-            task.env[RESTART] = str(attempt)
+            task.env[RESTART_VARIABLE] = str(attempt)
             if nodes and nodes.elastic:
-                task.env[ELASTIC] = "1"
+                task.env[ELASTIC_VARIABLE] = "1"
             if args.backup_dir:
-                task.env[BACKUP_DIR] = os.path.abspath(args.backup_dir)
+                task.env[BACKUP_DIR_VARIABLE] = os.path.abspath(args.backup_dir)
         return tasks
 
     serves = nodes and nodes.rank == 0 and (nodes.elastic or _uses_directory(args.backend))

@@ -26,7 +26,7 @@ from keras_dist import settings
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
 
-TF_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
+TF_LOG_LEVEL_VARIABLE = "TF_CPP_MIN_LOG_LEVEL"
 
 # Start-up lines that no setting silences: TensorFlow's that `TF_CPP_MIN_LOG_LEVEL` does not reach (2.21).
 _START_UP_LINES = re.compile(
@@ -45,7 +45,7 @@ def quiet_tensorflow_variables(variables: Mapping[str, str], chosen: settings.Se
 
     Set it before that process imports TensorFlow: TensorFlow reads the level once.
     """
-    return {TF_LOG_LEVEL: "1"} if not chosen.debug_log and TF_LOG_LEVEL not in variables else {}
+    return {TF_LOG_LEVEL_VARIABLE: "1"} if not chosen.debug_log and TF_LOG_LEVEL_VARIABLE not in variables else {}
 
 
 def is_start_up_line(line: str) -> bool:

@@ -14,9 +14,9 @@ import dataclasses
 
 from keras_dist import settings
 
-STEP_TIMEOUT_VAR = "KERAS_DIST_STEP_TIMEOUT"
-DEFAULT_FIRST_STEP_TIMEOUT = 120.0
-DEFAULT_STEP_TIMEOUT = 30.0
+STEP_TIMEOUT_VARIABLE = "KERAS_DIST_STEP_TIMEOUT"
+DEFAULT_FIRST_STEPS_SECONDS = 120.0
+DEFAULT_LATER_STEPS_SECONDS = 30.0
 # Steps (per worker) after which the shorter default applies.
 FIRST_STEPS = 2
 
@@ -42,4 +42,4 @@ def policy(chosen: settings.Settings, explicit: float | None = None) -> StepTime
     value = explicit or chosen.step_timeout
     if value:
         return StepTimeout(value, value, True)
-    return StepTimeout(DEFAULT_FIRST_STEP_TIMEOUT, DEFAULT_STEP_TIMEOUT, False)
+    return StepTimeout(DEFAULT_FIRST_STEPS_SECONDS, DEFAULT_LATER_STEPS_SECONDS, False)

@@ -13,7 +13,7 @@ import pytest
 import runner
 
 from keras_dist.launchers.processes import free_ports  # noqa: E402
-from keras_dist.launchers.binding import BIND_ALL_ENV  # noqa: E402
+from keras_dist.launchers.binding import BIND_ALL_VARIABLE  # noqa: E402
 from keras_dist.network import tcp_listeners  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -43,7 +43,7 @@ def train_watching_listeners(out_dir, envs):
 def test_local_workers_listen_on_loopback_only_unless_told_otherwise(tmp_path, bind_all):
     envs = runner.tf_config_envs(2)
     if bind_all:
-        envs = [{**env, BIND_ALL_ENV: "1"} for env in envs]
+        envs = [{**env, BIND_ALL_VARIABLE: "1"} for env in envs]
     outputs, ports, seen = train_watching_listeners(tmp_path, envs)
     for code, out in outputs:
         assert code == 0, out[-3000:]

@@ -114,7 +114,7 @@ class TorchDistributed(TorchTensors):
                     f"rank {environment.rank} did not connect to the job at {coordinator} within {self.timeout:g} s, "
                     f"advertising {environment.job_address or socket.gethostname()} to its peers ({first_line(exc)}); set "
                     "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on GPUs) to the interface the other machines reach, "
-                    f"or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart") from None
+                    f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if the processes start that far apart") from None
             self._coordinator = coordinator
             self._store = dist.distributed_c10d._get_default_store()
             self._store.set(f"keras_dist/host/{environment.rank}", socket.gethostname())
@@ -182,7 +182,7 @@ class TorchDistributed(TorchTensors):
             stopped = [f"rank {r} on {store.get(f'keras_dist/host/{r}').decode()}" for r in silent]
         except RuntimeError:
             stopped = [f"the job's coordinator at {self._coordinator}"]
-        return PeerFailure(stopped, f"{self.timeout:g} s", f"or raise {timeouts.STEP_TIMEOUT_VAR} if a step or the "
+        return PeerFailure(stopped, f"{self.timeout:g} s", f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if a step or the "
                            "chief's own work between steps takes that long", cause=cause)
 
     def min(self, tensor: Any) -> Any:

@@ -47,7 +47,7 @@ PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 # Seconds of training between two checks, once the step time is known.
 _CHECK_SECONDS = 1.0
 # `0` turns off the requeue of a SLURM job stopped at SIGUSR1.
-SLURM_REQUEUE = "KERAS_DIST_SLURM_REQUEUE"
+SLURM_REQUEUE_VARIABLE = "KERAS_DIST_SLURM_REQUEUE"
 # The signal handlers a notice replaced while its `fit` runs (on the main thread): what a
 # process forked meanwhile must have again.
 _REPLACED: dict = {}
@@ -188,7 +188,7 @@ def requeue_slurm_job(chosen: Settings) -> None:
         return
     said = (done.stderr or done.stdout).strip().splitlines()
     logger.warning("keras_dist: scontrol requeue %s failed (%s); submit the job with --requeue, or set %s=0 not to "
-                   "requeue", job, said[-1] if said else f"exit {done.returncode}", SLURM_REQUEUE)
+                   "requeue", job, said[-1] if said else f"exit {done.returncode}", SLURM_REQUEUE_VARIABLE)
 
 
 class _ExitAtAgreedStep(keras.callbacks.Callback):

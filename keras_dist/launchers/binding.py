@@ -20,9 +20,9 @@ from keras_dist.errors import KerasDistError
 
 logger = logging.getLogger("keras_dist")
 
-BIND_ALL_ENV = "KERAS_DIST_BIND_ALL"
+BIND_ALL_VARIABLE = "KERAS_DIST_BIND_ALL"
 # Read by the preloaded library (keras_dist/bind_address.c): the address replacing wildcards.
-BIND_ADDRESS_ENV = "KERAS_DIST_BIND_ADDRESS"
+BIND_ADDRESS_VARIABLE = "KERAS_DIST_BIND_ADDRESS"
 BIND_LIBRARY = Path(__file__).resolve().parent.parent / "_bind_address.so"
 
 
@@ -61,12 +61,12 @@ def binding_env(environ: Mapping[str, str], address: str) -> dict[str, str]:
     ```
     """
     if not _binding_library_installed(environ, address):
-        return {BIND_ADDRESS_ENV: address}  # tells the task that its launcher said so already
+        return {BIND_ADDRESS_VARIABLE: address}  # tells the task that its launcher said so already
     others = [p for p in _preloaded(environ) if p != str(BIND_LIBRARY)]
-    return {"LD_PRELOAD": ":".join([str(BIND_LIBRARY), *others]), BIND_ADDRESS_ENV: address}
+    return {"LD_PRELOAD": ":".join([str(BIND_LIBRARY), *others]), BIND_ADDRESS_VARIABLE: address}
 
 
-_OPT_OUT = f"or set {BIND_ALL_ENV}=1 to let TensorFlow listen on all interfaces"
+_OPT_OUT = f"or set {BIND_ALL_VARIABLE}=1 to let TensorFlow listen on all interfaces"
 
 
 def _preloaded(environ: Mapping[str, str]) -> list[str]:
@@ -78,12 +78,12 @@ def _binding_library_installed(environ: Mapping[str, str], address: str) -> bool
     global _missing_library_said
     if BIND_LIBRARY.exists():
         return True
-    if not _missing_library_said and not settings.current().bind_all and environ.get(BIND_ADDRESS_ENV) != address:
+    if not _missing_library_said and not settings.current().bind_all and environ.get(BIND_ADDRESS_VARIABLE) != address:
         _missing_library_said = True
         logger.warning("keras_dist: %s is not installed (keras_dist was installed without a C compiler, or not on "
                        "Linux), so this job's TensorFlow servers and torch store listen on all interfaces, not on %s "
                        "only; reinstall keras_dist where gcc is present, or set %s=1 to accept that",
-                       BIND_LIBRARY.name, address, BIND_ALL_ENV)
+                       BIND_LIBRARY.name, address, BIND_ALL_VARIABLE)
     return False
 
 
@@ -103,13 +103,13 @@ def variables_to_bind(variables: Mapping[str, str], address: str) -> dict[str, s
     global _restart_wanted
     if _active_binding() == address or not _binding_library_installed(variables, address):
         return {}
-    if variables.get(BIND_ADDRESS_ENV) == address and str(BIND_LIBRARY) in _preloaded(variables):
+    if variables.get(BIND_ADDRESS_VARIABLE) == address and str(BIND_LIBRARY) in _preloaded(variables):
         # Set up already (by a launcher or our own restart): the dynamic loader refused the library.
         raise KerasDistError(f"{BIND_LIBRARY} is in LD_PRELOAD but was not loaded (see the loader's message above); {_OPT_OUT}")
     if sys.argv[0] in ("", "-") or not sys.executable:
         raise KerasDistError(
             f"an interactive Python cannot restart itself to listen on {address} only; start it with "
-            f"LD_PRELOAD={BIND_LIBRARY} {BIND_ADDRESS_ENV}={address}, {_OPT_OUT}"
+            f"LD_PRELOAD={BIND_LIBRARY} {BIND_ADDRESS_VARIABLE}={address}, {_OPT_OUT}"
         )
     _restart_wanted = True
     return binding_env(variables, address)

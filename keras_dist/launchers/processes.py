@@ -30,14 +30,14 @@ from keras_dist import console, settings
 if TYPE_CHECKING:
     from keras_dist.launchers.base import Task
 
-LAUNCHER_PID = "KERAS_DIST_LAUNCHER_PID"
+LAUNCHER_PID_VARIABLE = "KERAS_DIST_LAUNCHER_PID"
 # How many times `keras-dist launch --max-restarts` has restarted the job, in every task.
-RESTART = "KERAS_DIST_RESTART"
+RESTART_VARIABLE = "KERAS_DIST_RESTART"
 # Set in every task of an elastic job (`--nnodes MIN:MAX`).
-ELASTIC = "KERAS_DIST_ELASTIC"
+ELASTIC_VARIABLE = "KERAS_DIST_ELASTIC"
 # Where `keras-dist launch --backup-dir` backs up every fit of an unchanged script
 # (`keras_dist.fault_tolerance.resume.automatic_backup`).
-BACKUP_DIR = "KERAS_DIST_BACKUP_DIR"
+BACKUP_DIR_VARIABLE = "KERAS_DIST_BACKUP_DIR"
 # The signals of a preemption notice (SLURM's `--signal` often uses SIGUSR1): the launcher
 # passes them on, and `keras_dist.fault_tolerance.preemption` saves and stops at them.
 NOTICE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
@@ -71,7 +71,7 @@ def _pump(stream, prefix, out, drop_start_up_lines):
 
 
 # What tells a process which cluster it is in: the tasks get their own, never the shell's.
-_CLUSTER_VARIABLES = ("TF_CONFIG", "HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "MPI_LOCALNRANKS", LAUNCHER_PID)
+_CLUSTER_VARIABLES = ("TF_CONFIG", "HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "MPI_LOCALNRANKS", LAUNCHER_PID_VARIABLE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
         for task in tasks:
             proc = subprocess.Popen(
                 task.argv,
-                env={**base, **task.env, LAUNCHER_PID: str(os.getpid())},
+                env={**base, **task.env, LAUNCHER_PID_VARIABLE: str(os.getpid())},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: we can kill its children
@@ -224,7 +224,7 @@ def watch_launcher(environ: Mapping[str, str], poll_seconds: float = 1.0) -> Non
     workers) gets no parent-death signal from the launcher, so it checks the launcher's
     pid itself, on a daemon thread, and exits with 128 + SIGHUP like a hung-up session.
     """
-    launcher = int(environ.get(LAUNCHER_PID, 0) or 0)
+    launcher = int(environ.get(LAUNCHER_PID_VARIABLE, 0) or 0)
     if not launcher:
         return
 

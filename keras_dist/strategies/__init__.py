@@ -51,7 +51,7 @@ REGISTRY = {
     "single": Entry(None, "keras_dist.strategies.single:SingleProcessStrategy"),
 }
 
-ENV_VAR = "KERAS_DIST_BACKEND"
+BACKEND_VARIABLE = "KERAS_DIST_BACKEND"
 
 
 def keras_backend(environ: Mapping[str, str]) -> str:
@@ -99,7 +99,7 @@ def select(requested: str | None, environ: Mapping[str, str], chosen: "Settings"
         if trains_on not in (None, running):
             raise KerasDistError(f"backend {name!r} trains Keras on {trains_on}, but Keras runs on {running}; "
                                  f"set KERAS_BACKEND={trains_on} or choose another backend")
-        return name, "requested by keras_dist.init(backend=...)" if requested else f"set by {ENV_VAR}"
+        return name, "requested by keras_dist.init(backend=...)" if requested else f"set by {BACKEND_VARIABLE}"
     for name, (trains_on, _, _) in REGISTRY.items():
         if name != "single" and trains_on in (None, running) and strategy_class(name).detect(environ, detected):
             return name, f"detected the {name} launcher's environment"

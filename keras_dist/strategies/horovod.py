@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("keras_dist")
 # Horovod's Gloo timeout in seconds, for every collective and its start.
-GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+GLOO_TIMEOUT_VARIABLE = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 
 
 def _import_horovod():
@@ -74,8 +74,8 @@ class HorovodStrategy(Strategy):
         # The step timeout is, on Horovod, its Gloo timeout (read once, by hvd.init; 30 s
         # by default), unless horovodrun's own was given.
         step_timeout = timeouts.policy(chosen)
-        if step_timeout.chosen and GLOO_TIMEOUT not in variables:
-            changes[GLOO_TIMEOUT] = str(math.ceil(step_timeout.later))
+        if step_timeout.chosen and GLOO_TIMEOUT_VARIABLE not in variables:
+            changes[GLOO_TIMEOUT_VARIABLE] = str(math.ceil(step_timeout.later))
         return changes
 
     @classmethod
@@ -144,8 +144,8 @@ class HorovodStrategy(Strategy):
                                    exited=True)
         except OSError:  # the store is horovodrun's, on the launching machine
             stopped = [f"horovodrun's machine ({environment.store})"]
-        timeout = self.settings.variables.get(GLOO_TIMEOUT, "30")
-        return PeerFailure(stopped, f"{timeout} s", f"or raise {timeouts.STEP_TIMEOUT_VAR} (or horovodrun "
+        timeout = self.settings.variables.get(GLOO_TIMEOUT_VARIABLE, "30")
+        return PeerFailure(stopped, f"{timeout} s", f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} (or horovodrun "
                            "--gloo-timeout-seconds) if a step can take that long")
 
     def _pin_gpu(self):

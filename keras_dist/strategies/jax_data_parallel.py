@@ -78,7 +78,7 @@ def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> N
         start = step_timeout.first
         unjoined = (f"process {environment.rank} did not join JAX's process group at {coordinator} within {start:g} s, "
                     f"advertising {address}; check the coordinator address and set GLOO_SOCKET_IFNAME to the interface "
-                    f"the other machines reach, or raise {timeouts.STEP_TIMEOUT_VAR} if the processes start that far apart")
+                    f"the other machines reach, or raise {timeouts.STEP_TIMEOUT_VARIABLE} if the processes start that far apart")
         # JAX's client aborts the process with a stack trace when its registration times
         # out (LOG(FATAL)), so keras_dist ends it first, in one line.
         watchdog = threading.Timer(start, _give_up, (unjoined,))
@@ -90,7 +90,7 @@ def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> N
             # timeout plus a margin: at equal timeouts JAX's abort, a C++ stack trace, came first).
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
                                        process_id=environment.rank, initialization_timeout=int(start) + 5,
-                                       heartbeat_timeout_seconds=2 * int(later) + _PeerWatch.MARGIN,
+                                       heartbeat_timeout_seconds=2 * int(later) + _PeerWatch.MARGIN_SECONDS,
                                        local_device_ids=gpus,
                                        coordinator_bind_address=None if bind is None or chosen.bind_all
                                        else f"{bind}:{port}")
@@ -149,12 +149,12 @@ class _PeerWatch:
     names a task number, and their Python callback cannot be set (jaxlib 0.10:
     `get_distributed_runtime_client(missed_heartbeat_callback=...)` fails with
     std::bad_cast). So each process also beats in the coordination service's key-value
-    store, with JAX's heartbeat timeout at twice this watch's plus `MARGIN` seconds. Beats
+    store, with JAX's heartbeat timeout at twice this watch's plus `MARGIN_SECONDS` seconds. Beats
     run on threads of their own (the store's calls release the GIL): a busy process keeps
     beating; only a frozen or cut-off one stops. A process that ends marks itself done.
     """
 
-    MARGIN = 10
+    MARGIN_SECONDS = 10
     DONE = "done"
 
     def __init__(self, client, rank: int, size: int, timeout: float):
@@ -202,7 +202,7 @@ class _PeerWatch:
             if silent and not self._done.is_set():
                 stopped = [f"rank {r} on {self._hosts[r]}" + (" (JAX's coordinator)" if r == 0 else "") for r in silent]
                 failure = PeerFailure(stopped, f"{self._timeout:g} s",
-                                      f"or raise {timeouts.STEP_TIMEOUT_VAR} if it can be that busy")
+                                      f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if it can be that busy")
                 _give_up(f"PeerFailure: {failure}")
 
 

@@ -95,7 +95,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         if self.step_timeout.chosen and self.is_chief:
             logger.warning("keras_dist: backend 'multi_worker_mirrored' does not apply %s: TensorFlow's collectives "
                            "take no timeout from keras_dist (one costs a thread per collective); a stopped worker "
-                           "ends the job at TensorFlow's heartbeat timeout", timeouts.STEP_TIMEOUT_VAR)
+                           "ends the job at TensorFlow's heartbeat timeout", timeouts.STEP_TIMEOUT_VARIABLE)
 
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:

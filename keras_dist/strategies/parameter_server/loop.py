@@ -160,7 +160,7 @@ class CoordinatedSteps:
                 self.stalled.set()
                 raise PeerFailure(self._stopped(remote), f"{timeout:g} s", "TensorFlow cannot go on without it: "
                                   "restart the job (BackupAndRestore resumes after the last epoch), or raise "
-                                  f"{timeouts.STEP_TIMEOUT_VAR} if steps are that slow", cause="a step did not finish") from None
+                                  f"{timeouts.STEP_TIMEOUT_VARIABLE} if steps are that slow", cause="a step did not finish") from None
             remote = self.coordinator.schedule(function, args=args)
 
     def _stopped(self, remote):
