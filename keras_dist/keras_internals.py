@@ -134,6 +134,54 @@ def save_state(saveable: Any, weights_store: Any) -> None:
                            visited_saveables=set())
 
 
+# --- BackupAndRestore's files and position (keras.src.callbacks.backup_and_restore) ----------
+
+
+def backup_files(backup: Any) -> tuple[str, str]:
+    """The weights and training-metadata files a `BackupAndRestore` saves to, which keras_dist commits atomically and reads its position from; private attributes."""
+    return backup._weights_path, backup._training_metadata_path
+
+
+def set_backup_files(backup: Any, weights: str, metadata: str) -> None:
+    """Points a `BackupAndRestore`'s next save at other files (keras_dist's partial names, renamed once written); private attributes."""
+    backup._weights_path, backup._training_metadata_path = weights, metadata
+
+
+def previous_backup_files(backup: Any) -> tuple[str, ...]:
+    """The files a `BackupAndRestore` with `double_checkpoint` (Keras >= 3.9) keeps of the state before, which keras_dist's commit writes first; private attributes."""
+    if not getattr(backup, "double_checkpoint", False):
+        return ()
+    return backup._prev_weights_path, backup._prev_training_metadata_path
+
+
+def set_backup_position(backup: Any, epoch: int | None = None, batch: int | None = None) -> None:
+    """Sets where a `BackupAndRestore` counts its fit to be (epoch, last batch), which its next save records, for keras_dist's saves inside an epoch; private attributes."""
+    if epoch is not None:
+        backup._current_epoch = epoch
+    if batch is not None:
+        backup._last_batch_seen = batch
+
+
+def initial_epoch(model: Any) -> int | None:
+    """The epoch a `BackupAndRestore` told the model's fit to start at (None: none did), which keras_dist's resume and loops read and agree on; private attribute."""
+    return model._initial_epoch
+
+
+def set_initial_epoch(model: Any, epoch: int | None) -> None:
+    """Tells the model's fit to start at `epoch`, as a restored `BackupAndRestore` does, for keras_dist's resume inside an epoch and its chief's choice; private attribute."""
+    model._initial_epoch = epoch
+
+
+def flatten_layers(model: Any) -> list:
+    """Every layer of a model, nested ones included, which keras_dist walks for seed generators and sharded embeddings; private method."""
+    return list(model._flatten_layers())
+
+
+def save_backup(backup: Any) -> None:
+    """Saves a `BackupAndRestore` now, at the position it counts, which keras_dist does at the step every process agreed on; private method."""
+    backup._save_model()
+
+
 # --- random seeds (keras.src.utils.rng_utils, keras.src.random.seed_generator) ----------------
 
 

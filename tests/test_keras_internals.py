@@ -7,6 +7,8 @@ A new Keras release (tools/keras_nightly.py) fails here first, with the place to
 
 import contextlib
 import inspect
+import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -222,6 +224,98 @@ def test_save_state():
         model = tiny_model()
         keras_internals.save_state(model, Recorder())
         assert sorted(v.shape for v in seen.values()) == sorted(w.shape for w in model.get_weights()), sorted(seen)
+
+
+# --- BackupAndRestore's files and position -----------------------------------------------------
+
+
+def fitted_backup(tmp_path, epochs=1, **options):
+    """A `BackupAndRestore` (its files kept) and its model after `epochs` of a tiny fit."""
+    model = tiny_model()
+    model.compile(optimizer="sgd", loss="mse")
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False, **options)
+    if epochs:
+        model.fit(np.ones((4, 3)), np.ones((4, 2)), epochs=epochs, verbose=0, callbacks=[backup])
+    else:
+        backup.set_model(model)
+    return model, backup
+
+
+def test_backup_files(tmp_path):
+    with canary("keras.src.callbacks.BackupAndRestore._weights_path and _training_metadata_path",
+                "keras_dist.fault_tolerance.atomic_writes commits backups under them; resume reads the position there"):
+        _, backup = fitted_backup(tmp_path)
+        weights, metadata = keras_internals.backup_files(backup)
+        assert weights.endswith(".weights.h5") and os.path.exists(weights) and os.path.exists(metadata)
+
+
+def test_set_backup_files(tmp_path):
+    with canary("keras.src.callbacks.BackupAndRestore._weights_path and _training_metadata_path",
+                "keras_dist.fault_tolerance.atomic_writes points a save at partial files with them"):
+        model, backup = fitted_backup(tmp_path, epochs=0)
+        partials = str(tmp_path / "partial.weights.h5"), str(tmp_path / "partial.json")
+        keras_internals.set_backup_files(backup, *partials)
+        model.fit(np.ones((4, 3)), np.ones((4, 2)), epochs=1, verbose=0, callbacks=[backup])
+        assert all(os.path.exists(path) for path in partials)
+
+
+def test_previous_backup_files(tmp_path):
+    with canary("keras.src.callbacks.BackupAndRestore._prev_weights_path and _prev_training_metadata_path",
+                "keras_dist.fault_tolerance.atomic_writes writes them first in its commit (double_checkpoint)"):
+        _, backup = fitted_backup(tmp_path, epochs=2, double_checkpoint=True)
+        previous = keras_internals.previous_backup_files(backup)
+        assert len(previous) == 2 and all(os.path.exists(path) for path in previous)
+
+
+def saved_position(tmp_path, epoch, batch):
+    _, backup = fitted_backup(tmp_path, epochs=0)
+    keras_internals.set_backup_position(backup, epoch, batch)
+    keras_internals.save_backup(backup)
+    with open(keras_internals.backup_files(backup)[1]) as f:
+        return json.load(f)
+
+
+def test_set_backup_position(tmp_path):
+    with canary("keras.src.callbacks.BackupAndRestore._current_epoch and _last_batch_seen",
+                "keras_dist.fault_tolerance.resume records a save's place inside an epoch in them"):
+        assert saved_position(tmp_path, 3, 5) == {"epoch": 3, "batch": 5}
+
+
+def test_save_backup(tmp_path):
+    with canary("keras.src.callbacks.BackupAndRestore._save_model",
+                "keras_dist.fault_tolerance.resume saves at the step every process agreed on with it"):
+        assert saved_position(tmp_path, 0, 2) == {"epoch": 0, "batch": 2}
+
+
+def test_initial_epoch(tmp_path):
+    with canary("keras.src.models.Model._initial_epoch (set by BackupAndRestore)",
+                "keras_dist's resume, the parameter-server loop and SyncInitialState read where fit starts in it"):
+        fitted_backup(tmp_path, epochs=2)
+        model, _ = fitted_backup(tmp_path, epochs=3)  # a rerun: the backup restores epoch 2
+        assert keras_internals.initial_epoch(model) == 2
+
+
+def test_set_initial_epoch():
+    with canary("keras.src.models.Model._initial_epoch",
+                "keras_dist's resume and SyncInitialState tell fit where to start with it"):
+        model = tiny_model()
+        model.compile(optimizer="sgd", loss="mse")
+
+        class StartAt(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                keras_internals.set_initial_epoch(self.model, 2)
+
+        history = model.fit(np.ones((4, 3)), np.ones((4, 2)), epochs=3, verbose=0, callbacks=[StartAt()])
+        assert history.epoch == [2]
+
+
+def test_flatten_layers():
+    with canary("keras.src.layers.Layer._flatten_layers",
+                "keras_dist's resume (seed generators) and sharded embeddings walk a model's layers with it"):
+        inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dropout(0.5)])
+        outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
+        kinds = [type(layer).__name__ for layer in keras_internals.flatten_layers(outer)]
+        assert kinds.count("Dense") == 2 and "Dropout" in kinds
 
 
 # --- random seeds ------------------------------------------------------------------------------

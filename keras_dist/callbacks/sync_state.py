@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import keras
 
-from keras_dist import optimizer_hooks
+from keras_dist import keras_internals, optimizer_hooks
 from keras_dist.callbacks.replica_check import weights_digest
 from keras_dist.errors import KerasDistError
 
@@ -35,7 +35,8 @@ class SyncInitialState(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         sync_model_state(self.model, self.strategy)
         # BackupAndRestore (chief only) sets the epoch to resume from.
-        self.model._initial_epoch = self.strategy.broadcast_object(self.model._initial_epoch)
+        chiefs = self.strategy.broadcast_object(keras_internals.initial_epoch(self.model))
+        keras_internals.set_initial_epoch(self.model, chiefs)
 
 
 def sync_model_state(model: keras.Model, strategy: "Strategy") -> None:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import keras
 import numpy as np
 
+from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
 from keras_dist.fault_tolerance.background_writes import BackgroundWrite, WeightsSnapshot
 from keras_dist.fault_tolerance.resume import METADATA_KEY
@@ -94,26 +95,23 @@ def _atomic_backup(callback):
     weights it saves copied to host memory (`background_writes.WeightsSnapshot`); a
     thread then writes them and commits the backup, while training goes on."""
     keras_save, keras_train_begin, keras_train_end = callback._save_model, callback.on_train_begin, callback.on_train_end
-    names = ("_weights_path", "_training_metadata_path")
     writes, snapshot = BackgroundWrite(), WeightsSnapshot()
 
     def _save_model():
         writes.wait()  # the previous backup is committed: its partial names are free again
-        finals = [getattr(callback, n) for n in names]
+        finals = keras_internals.backup_files(callback)
         partials = [_partial(final) for final in finals]
         for partial in partials:  # left by a crash during an earlier save
             if os.path.exists(partial):
                 os.remove(partial)
-        for name, partial in zip(names, partials):
-            setattr(callback, name, partial)
+        keras_internals.set_backup_files(callback, *partials)
         with _failed_writes_end_in_one_line(finals[0], partials, BACKUP_OPTION):
             try:
                 model = callback.model
                 with methods_while(model, {"save_weights": lambda *args, **kwargs: snapshot.take(model)}):
                     keras_save()  # writes the metadata to its partial name
             finally:
-                for name, final in zip(names, finals):
-                    setattr(callback, name, final)
+                keras_internals.set_backup_files(callback, *finals)
             add_metadata = getattr(callback, "_keras_dist_metadata", None)  # `resume.ResumePoint`: the position
             if add_metadata is not None:
                 with open(partials[1]) as f:
@@ -122,21 +120,21 @@ def _atomic_backup(callback):
                     json.dump({**metadata, METADATA_KEY: add_metadata()}, f)
         # Keras >= 3.9 copies the latest state to its `.bkp` names first (here in the
         # commit, where the latest state is complete on disk).
-        previous = ((callback._prev_weights_path, callback._prev_training_metadata_path)
-                    if getattr(callback, "double_checkpoint", False) else ())
+        previous = keras_internals.previous_backup_files(callback)
         writes.start(lambda: _commit(snapshot, partials, finals, previous))
 
     def on_train_begin(logs=None):
         writes.wait()
-        _finish_interrupted_commit(callback._weights_path, callback._training_metadata_path)
+        weights, metadata = keras_internals.backup_files(callback)
+        _finish_interrupted_commit(weights, metadata)
         try:
             keras_train_begin(logs)
         except OSError as exc:  # h5py's error for a truncated file
-            if not os.path.exists(callback._weights_path):
+            if not os.path.exists(weights):
                 raise
             logger.warning("keras_dist: %s cannot be read (%s), left by a crash during an earlier save; it is moved "
-                           "aside and training starts from the last good state", callback._weights_path, type(exc).__name__)
-            for path in (callback._weights_path, callback._training_metadata_path):
+                           "aside and training starts from the last good state", weights, type(exc).__name__)
+            for path in (weights, metadata):
                 if os.path.exists(path):
                     os.replace(path, path + ".unreadable")
             keras_train_begin(logs)

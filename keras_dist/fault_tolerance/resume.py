@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
+from keras_dist import keras_internals
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
 from keras_dist.inputs.position import EpochPosition
 from keras_dist.errors import KerasDistError
@@ -149,7 +150,7 @@ class ResumePoint(keras.callbacks.Callback):
         position = self.position
         position.iterations = 0
         if state is None:
-            position.resume_epoch = self.model._initial_epoch or 0
+            position.resume_epoch = keras_internals.initial_epoch(self.model) or 0
             return
         position.seed = state["seed"]
         epoch, steps = state["epoch"], state["steps"]
@@ -169,7 +170,7 @@ class ResumePoint(keras.callbacks.Callback):
                 logger.info("keras_dist: the backup was written by %s processes, this run has %s: the batch size per "
                             "replica stays, the rest of epoch %s (%s %s) is split among them",
                             state["shards"], shards, epoch + 1, resizable.length - samples, resizable.unit)
-        self.model._initial_epoch = epoch
+        keras_internals.set_initial_epoch(self.model, epoch)
         self._last_step = steps - 1
         self._restored_metrics = state["metrics"] if steps else None
         _set_seed_states(self.model, state["seed_states"])
@@ -183,7 +184,7 @@ class ResumePoint(keras.callbacks.Callback):
                 for attribute, value in (saved or {}).items():
                     setattr(callback, attribute, value)
         # Keras counts epochs from 0 in each fit: its own metadata would say epoch 0.
-        self.backup._current_epoch = epoch
+        keras_internals.set_backup_position(self.backup, epoch=epoch)
         if self.strategy.is_chief:
             logger.info("keras_dist: fit resumes in epoch %s after step %s, from %s", epoch + 1, steps,
                         self.backup.backup_dir)
@@ -257,9 +258,9 @@ class ResumePoint(keras.callbacks.Callback):
         """The save due after the epoch's last step, now at its end (after the script's callbacks)."""
         if self._save_at_epoch_end:
             self._save_at_epoch_end = False
-            self.backup._current_epoch, self.backup._last_batch_seen = epoch + 1, 0
+            keras_internals.set_backup_position(self.backup, epoch + 1, 0)
             if self.runs_backup:
-                self.backup._save_model()
+                keras_internals.save_backup(self.backup)
 
     def due(self, batch: int) -> bool:
         """Whether the backup saves after step `batch` of the epoch under way.
@@ -285,7 +286,7 @@ class ResumePoint(keras.callbacks.Callback):
                 self._due, self._save_at_epoch_end = False, True
             else:
                 self._snapshot = self._collective_state(self.position.epoch, batch + 1)
-                self.backup._last_batch_seen = batch
+                keras_internals.set_backup_position(self.backup, batch=batch)
         self.notice.exit_deferred = self._save_at_epoch_end
         return self._due
 
@@ -326,7 +327,7 @@ class _AfterScriptCallbacks(keras.callbacks.Callback):
 
 def _read_metadata(backup: keras.callbacks.BackupAndRestore) -> dict | None:
     """keras_dist's part of the backup's metadata (None: no backup, or one Keras wrote alone)."""
-    path = backup._training_metadata_path
+    path = keras_internals.backup_files(backup)[1]
     if not os.path.exists(path):
         return None
     with open(path) as f:
@@ -372,7 +373,7 @@ def _counting_callbacks(callbacks: list) -> list:
 
 
 def _seed_generators(model: keras.Model) -> list:
-    return [g for layer in model._flatten_layers() for g in getattr(layer, "_seed_generators", [])]
+    return [g for layer in keras_internals.flatten_layers(model) for g in getattr(layer, "_seed_generators", [])]
 
 
 def _seed_states(model: keras.Model) -> list:

@@ -256,7 +256,7 @@ class CoordinatedSteps:
         refuse_batch_log_readers(callbacks)
         model.stop_training = False
         callbacks.on_train_begin()
-        initial_epoch = model._initial_epoch or initial_epoch
+        initial_epoch = keras_internals.initial_epoch(model) or initial_epoch
         batches, logs = None, None
         for epoch in range(initial_epoch, epochs):
             callbacks.on_epoch_begin(epoch)

@@ -41,7 +41,7 @@ def embedding_lookups_by_shard(model: keras.Model) -> None:
         model: a built model; the `call` of each sharded `Embedding` (without LoRA or
             quantization) is replaced on that layer instance only.
     """
-    for layer in model._flatten_layers():
+    for layer in keras_internals.flatten_layers(model):
         # Subclasses keep their own `call`: it may do more than look up rows. Idempotent:
         # each step function (train, test, predict) asks again.
         if type(layer).call is keras.layers.Embedding.call and "call" not in vars(layer) \
