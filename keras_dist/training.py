@@ -76,6 +76,20 @@ class DistributedTraining:
             arguments["verbose"] = 0
         return arguments, script_callbacks
 
+    def _split_fit_inputs(self, arguments: dict, position: EpochPosition | None) -> None:
+        """Puts this process's share of fit's input and validation in `arguments` (`inputs.fit`)."""
+        data, validation = inputs.fit(self.strategy, _read(arguments, "steps_per_epoch"), arguments["validation_data"],
+                                      arguments["validation_split"], arguments["validation_batch_size"],
+                                      arguments["validation_steps"], position, arguments["shuffle"])
+        _write(arguments, data, "steps_per_epoch")
+        if data.ordered:
+            arguments["shuffle"] = False
+        self.stand_in_validation = validation is not None and validation.stand_in
+        if validation is not None:
+            arguments.update(validation_data=inputs.as_validation_data(validation), validation_split=0.0)
+            if arguments["validation_batch_size"] is not None:
+                arguments["validation_batch_size"] = validation.batch_size
+
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         self._distribute_new_optimizers()
         arguments, script_callbacks = self._worker_args(self.keras_fit, args, kwargs)
@@ -107,22 +121,9 @@ class DistributedTraining:
         notice = None
         if keras_loop and (position is not None or self.strategy.size > 1):
             notice = PreemptionNotice(self.strategy, chosen.backup_seconds if automatic else None)
-        data, validation = inputs.fit(self.strategy, _read(arguments, "steps_per_epoch"), arguments["validation_data"],
-                                      arguments["validation_split"], arguments["validation_batch_size"],
-                                      arguments["validation_steps"], position, arguments["shuffle"])
-        _write(arguments, data, "steps_per_epoch")
-        if data.ordered:
-            arguments["shuffle"] = False
-        self.stand_in_validation = validation is not None and validation.stand_in
-        if validation is not None:
-            arguments.update(validation_data=inputs.as_validation_data(validation), validation_split=0.0)
-            if arguments["validation_batch_size"] is not None:
-                arguments["validation_batch_size"] = validation.batch_size
+        self._split_fit_inputs(arguments, position)
         if chosen.elastic and self.strategy.is_chief and (position is None or position.resizable is None):
-            # Said now, while every machine is there, not at the restart that would need it.
-            logger.warning("keras_dist: this elastic job (--nnodes MIN:MAX) cannot resume this fit on another number of "
-                           "processes, and a restart on fewer or more machines stops in one line: keras_dist resumes "
-                           "%s. Pass one of those, or use a fixed --nnodes", resume.RESIZABLE_INPUTS)
+            _say_fit_cannot_resize()
         if position is not None and backup is not None:
             runs_backup = resume.backup_of(arguments["callbacks"])
             point = resume.ResumePoint(self.strategy, runs_backup or backup, position, script_callbacks,
@@ -254,6 +255,13 @@ class DistributedTraining:
 
     def _flag(self, name):
         return set_while(self, name, True)
+
+
+def _say_fit_cannot_resize() -> None:
+    """Said at fit's start in an elastic job, while every machine is there, not at the restart that would need it."""
+    logger.warning("keras_dist: this elastic job (--nnodes MIN:MAX) cannot resume this fit on another number of "
+                   "processes, and a restart on fewer or more machines stops in one line: keras_dist resumes "
+                   "%s. Pass one of those, or use a fixed --nnodes", resume.RESIZABLE_INPUTS)
 
 
 def _read(arguments: dict, steps: str) -> inputs.Inputs:

@@ -1,5 +1,29 @@
 """The process that runs its TF_CONFIG task's TensorFlow gRPC server (multi-worker and
-parameter-server backends): what it must be told before TensorFlow starts."""
+parameter-server backends): what it must be told before TensorFlow starts.
+
+A backend's `process_variables` asks `server_variables`, which
+
+1. checks that the task's port is free (or already served by this process, when the
+   script started its strategy first), so a clash is a one-line error instead of
+   TensorFlow's "Could not start gRPC server";
+2. keeps the process's TCP listeners on the cluster's address instead of all interfaces
+   (`keras_dist.launchers.binding`): its loopback address when every TF_CONFIG address is
+   on this machine (127.x or localhost), else the address of this machine that the other
+   tasks reach (`_cluster_address`). Unless the library that rewrites wildcard binds is
+   loaded already, the variables include it, and the backend's `prepare_process` then
+   restarts the process with them (`binding.restart_with_binding`): code that runs before
+   `import keras_dist` runs twice, and child processes inherit the setting. Where the
+   library is not installed (not Linux, or no C compiler at install), one line says so
+   and the server listens on all interfaces;
+3. on a machine of one core (a 1-vCPU VM, a process pinned to one core), gives
+   TensorFlow's inter-op pool 2 threads instead of the 1 it would size: with one, a
+   parameter-server worker's step waited forever on its own reads from the ps tasks (seen
+   on simulated hosts pinned to one core each). `TF_NUM_INTEROP_THREADS` set by the user
+   wins.
+
+Set KERAS_DIST_BIND_ALL=1 to keep TensorFlow's listeners on all interfaces (for instance
+to reach a local cluster from another machine); the port check still runs.
+"""
 
 import errno
 import ipaddress
@@ -16,30 +40,8 @@ from keras_dist.settings import Settings
 
 
 def server_variables(variables: Mapping[str, str], chosen: Settings) -> dict[str, str]:
-    """The variables a process that will run its TF_CONFIG task's TensorFlow gRPC server
-    needs before TensorFlow starts; checks its port on the way.
-
-    Asked from a backend's `process_variables`. It
-
-    1. checks that the task's port is free (or already served by this process, when the
-       script started its strategy first), so a clash is a one-line error instead of
-       TensorFlow's "Could not start gRPC server";
-    2. keeps the process's TCP listeners on the cluster's address instead of all
-       interfaces (`keras_dist.launchers.binding`): its loopback address when every
-       TF_CONFIG address is on this machine (127.x or localhost), else the address of this
-       machine that the other tasks reach (`_cluster_address`). Unless the library that
-       rewrites wildcard binds is loaded already, the variables include it, and the
-       backend's `prepare_process` then restarts the process with them
-       (`binding.restart_with_binding`): code that runs before `import keras_dist` runs
-       twice, and child processes inherit the setting;
-    3. on a machine of one core (a 1-vCPU VM, a process pinned to one core), gives
-       TensorFlow's inter-op pool 2 threads instead of the 1 it would size: with one, a
-       parameter-server worker's step waited forever on its own reads from the ps tasks
-       (seen on simulated hosts pinned to one core each). `TF_NUM_INTEROP_THREADS` set
-       by the user wins.
-
-    Set KERAS_DIST_BIND_ALL=1 to keep TensorFlow's listeners on all interfaces (for
-    instance to reach a local cluster from another machine); the port check still runs.
+    """The variables a process that will run its TF_CONFIG task's server needs before
+    TensorFlow starts (see the module docstring); checks its port on the way.
 
     Args:
         variables: the process's variables (`Settings.variables`); TF_CONFIG must be set.
@@ -47,8 +49,7 @@ def server_variables(variables: Mapping[str, str], chosen: Settings) -> dict[str
 
     Raises:
         KerasDistError: the port is taken, or the process cannot restart (an interactive
-            Python). Where the library is not installed (not Linux, or no C compiler at
-            install), one line says so and the server listens on all interfaces.
+            Python).
 
     Example:
 
