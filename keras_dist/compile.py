@@ -77,7 +77,7 @@ def _is_trainer(model: Any) -> bool:
 
 
 def _scale_learning_rate(optimizer, factor):
-    rate = optimizer._learning_rate  # the schedule itself, where there is one
+    rate = keras_internals.learning_rate_schedule(optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         optimizer.learning_rate = ScaledSchedule(rate, factor)
     else:

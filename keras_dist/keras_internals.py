@@ -47,6 +47,21 @@ def trainer_mixin() -> type:
     return getattr(trainer, "Trainer", None) or trainer.BaseTrainer
 
 
+def symbolic_build(model: Any, batch: Any) -> None:
+    """Builds a model's variables, its metrics' and its optimizer's from one batch, as fit does before its first step, which parameter servers need before any step runs on a worker; private method."""
+    model._symbolic_build(data_batch=batch)
+
+
+def should_evaluate(model: Any, epoch: int, validation_freq: Any) -> bool:
+    """Whether fit validates after `epoch` under `validation_freq`, Keras's rule, which the parameter-server loop follows; private method."""
+    return model._should_eval(epoch, validation_freq)
+
+
+def metrics_in_order(model: Any, logs: dict) -> Any:
+    """`evaluate`'s logs as the list Keras returns without `return_dict`, which the parameter-server loop returns too; private method."""
+    return model._flatten_metrics_in_order(logs)
+
+
 def base_metrics_result(model: Any) -> dict:
     """The metric results of `model`'s own states, by Keras's trainer mixin: 3.16's torch trainer overrides `get_metrics_result` to all-reduce them in every step (keras#23316), which keras_workarounds_torch turns off; no public name."""
     return trainer_mixin().get_metrics_result(model)
@@ -117,6 +132,16 @@ def train_validation_split(arrays: Any, validation_split: float) -> tuple[Any, A
 
 
 # --- saving (keras.src.saving.saving_lib) -----------------------------------------------------
+
+
+def learning_rate_schedule(optimizer: Any) -> Any:
+    """An optimizer's learning rate as set: the schedule itself where there is one (the public property gives its current value), which keras_dist.compile scales; private attribute."""
+    return optimizer._learning_rate
+
+
+def optimizer_variables(optimizer: Any) -> list:
+    """The variables a built optimizer updates, in its order, whose gradients the torch backend reduces in buckets during the backward pass; private attribute."""
+    return optimizer._trainable_variables
 
 
 def h5_io_store() -> type:

@@ -95,6 +95,54 @@ def test_trainer_mixin():
         assert issubclass(keras.Model, mixin) and callable(mixin.compile)
 
 
+def compiled_model(**compile_options):
+    model = tiny_model()
+    model.compile(optimizer=compile_options.pop("optimizer", "sgd"), loss="mse", **compile_options)
+    return model
+
+
+def test_symbolic_build():
+    with canary("keras.src.trainers.trainer.Trainer._symbolic_build",
+                "keras_dist's parameter-server loop builds a model's metrics and optimizer before any step with it"):
+        model = compiled_model(metrics=["mae"])
+        before = len(model.metrics_variables)
+        keras_internals.symbolic_build(model, (np.ones((2, 3)), np.ones((2, 2))))
+        assert model.optimizer.built and len(model.metrics_variables) > before
+
+
+def test_should_evaluate():
+    with canary("keras.src.trainers.trainer.Trainer._should_eval",
+                "keras_dist's parameter-server loop validates after the epochs fit would with it"):
+        model = compiled_model()
+        assert [keras_internals.should_evaluate(model, epoch, 2) for epoch in range(4)] == [False, True, False, True]
+        assert [keras_internals.should_evaluate(model, epoch, [1, 3]) for epoch in range(4)] == [True, False, True, False]
+
+
+def test_metrics_in_order():
+    with canary("keras.src.trainers.trainer.Trainer._flatten_metrics_in_order",
+                "keras_dist's parameter-server loop returns evaluate's list with it"):
+        model = compiled_model(metrics=["mae"])
+        model.evaluate(np.ones((2, 3)), np.ones((2, 2)), verbose=0)
+        assert keras_internals.metrics_in_order(model, {"mae": 2.0, "loss": 1.0}) == [1.0, 2.0]
+
+
+def test_learning_rate_schedule():
+    with canary("keras.src.optimizers.base_optimizer.BaseOptimizer._learning_rate",
+                "keras_dist.compile scales the schedule itself, not its current value, with it"):
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+        assert keras_internals.learning_rate_schedule(keras.optimizers.SGD(schedule)) is schedule
+        assert float(keras_internals.learning_rate_schedule(keras.optimizers.SGD(0.25))) == 0.25
+
+
+def test_optimizer_variables():
+    with canary("keras.src.optimizers.base_optimizer.BaseOptimizer._trainable_variables",
+                "keras_dist's torch backend buckets a built optimizer's gradients in its order with it"):
+        model = compiled_model()
+        model.optimizer.build(model.trainable_variables)
+        assert [v.path for v in keras_internals.optimizer_variables(model.optimizer)] == [
+            v.path for v in model.trainable_variables]
+
+
 def test_base_metrics_result():
     with canary("keras.src.trainers.trainer's get_metrics_result (on the trainer mixin)",
                 "keras_dist.keras_workarounds_torch reads a process's own metric results with it under Keras 3.16's "

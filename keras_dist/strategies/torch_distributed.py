@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_dist import keras_workarounds_torch, timeouts
+from keras_dist import keras_internals, keras_workarounds_torch, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment
@@ -136,7 +136,7 @@ class TorchDistributedStrategy(Strategy):
             else:
                 reduced = iter(self._allreduce_in_buckets(present, options, f"{name}.gradients"))
                 if overlaps:  # built at the first update, when the optimizer knows its variables
-                    self._overlapped[id(optimizer)] = OverlappedGradients(self, optimizer._trainable_variables, options,
+                    self._overlapped[id(optimizer)] = OverlappedGradients(self, keras_internals.optimizer_variables(optimizer), options,
                                                                           f"{name}.overlapped")
             return [None if g is None else next(reduced) for g in grads]
 

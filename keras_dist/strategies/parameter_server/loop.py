@@ -111,7 +111,7 @@ class CoordinatedSteps:
                 if not self.model.built:
                     keras_internals.compute_output_spec(self.model, batch)
             else:
-                self.model._symbolic_build(data_batch=batch)
+                keras_internals.symbolic_build(self.model, batch)
 
     def _results(self, fetched):
         """Logs of a run from its steps' `(metric states, step logs)`, in step order.
@@ -271,7 +271,7 @@ class CoordinatedSteps:
             if not per_worker_input and steps_per_epoch is not None and len(step_states) < steps_per_epoch:
                 batches = None  # ran out: the next epoch starts the input again
             logs = self._results(step_states)
-            if validation_data is not None and model._should_eval(epoch, validation_freq):
+            if validation_data is not None and keras_internals.should_evaluate(model, epoch, validation_freq):
                 val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data) \
                     if isinstance(validation_data, tuple) else (validation_data, None, None)
                 val_logs = self.evaluate(val_x, val_y, batch_size=validation_batch_size or batch_size,
@@ -313,7 +313,7 @@ class CoordinatedSteps:
         callbacks.on_test_begin()
         logs = self._results(run())
         callbacks.on_test_end(logs)
-        return logs if return_dict else self.model._flatten_metrics_in_order(logs)
+        return logs if return_dict else keras_internals.metrics_in_order(self.model, logs)
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto", steps: int | None = None,
                 callbacks: Sequence[keras.callbacks.Callback] | keras.callbacks.CallbackList | None = None) -> Any:
