@@ -1,7 +1,7 @@
 """The package's structure rules, read from the code's own imports (its syntax tree, aliases
 resolved), not from its text: who touches the process environment, who reads the settings
-from the process, and that the rooms (files, folders as one) import each other without a
-circle outside type checking (CONTRIBUTING, "The map")."""
+from the process, that the rooms (files, folders as one) import each other without a
+circle outside type checking, and in the order CONTRIBUTING's map draws."""
 
 import ast
 import itertools
@@ -135,3 +135,29 @@ def test_the_rooms_import_each_other_without_a_circle_outside_type_checking():
     described = [[f"{a} -> {b} ({edges[a][b]})" for a in circle for b in circle if b in edges.get(a, {})]
                  for circle in circles]
     assert described == []
+
+
+def map_rows() -> list[list[str]]:
+    """The rooms of each row of CONTRIBUTING's map, top row first (`keras_workarounds*.py` matched as a glob)."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    block = text[text.index("## Design: the map"):]
+    block = block[block.index("```\n") + 4:]
+    rows = []
+    for line in block[:block.index("```")].splitlines():
+        rows.append(list(itertools.takewhile(lambda word: word.endswith((".py", "/")), line.split())))
+    return rows
+
+
+def test_the_map_in_contributing_is_the_import_order():
+    rows = map_rows()
+    row_of = {name: len(rows) - number for number, names in enumerate(rows) for name in names}
+
+    def row(room_path: str) -> int | None:
+        name = room_path.removeprefix("keras_dist/")
+        return row_of.get("keras_workarounds*.py" if name.startswith("keras_workarounds") else name)
+
+    rooms = {room(path) for path in modules()}
+    assert [r for r in sorted(rooms) if row(r) is None] == [], "rooms missing from CONTRIBUTING's map"
+    upward = [f"{path}:{line} imports {dotted}" for path, tree in modules().items() for dotted, line in imports(tree)
+              for target in [room_of_module(dotted)] if target and target != room(path) and row(target) >= row(room(path))]
+    assert upward == [], "an import that does not go to a lower row of CONTRIBUTING's map"
