@@ -53,19 +53,22 @@ def start() -> None:
     from keras_dist import console, errors, network, runtime, settings, strategies
     from keras_dist.launchers import processes
 
+    chosen = settings.current()
+    if "tensorflow" not in sys.modules:
+        # Before the runtime is built: choosing the backend may import TensorFlow, which reads it once.
+        settings.export(console.quiet_tensorflow_variables(chosen.variables, chosen))
     facts = runtime.get()
     environment = facts.environment
-    variables = {} if "tensorflow" in sys.modules else console.quiet_tensorflow_variables(facts.settings.variables, facts.settings)
+    variables = {}
     if environment.size > 1:
         coordinator = environment.coordinator or getattr(environment, "store", None)
-        address, interface = network.interface_variables(facts.settings.variables, coordinator)
+        address, variables = network.interface_variables(chosen.variables, coordinator)
         environment = facts.environment = dataclasses.replace(environment, job_address=address)
-        variables.update(interface)
-        errors.uncaught_errors_in_one_line(one_line=not facts.settings.debug_log)
+        errors.uncaught_errors_in_one_line(one_line=not chosen.debug_log)
     strategy = strategies.strategy_class(facts.backend)
     settings.export({**variables, **strategy.process_variables(environment, facts.settings)})
     strategy.prepare_process(environment, facts.settings)
-    processes.watch_launcher(facts.settings.variables)
+    processes.watch_launcher(chosen.variables)
     if strategy.shares_random_seed and environment.size > 1:
         share_random_seed(runtime.current())
 

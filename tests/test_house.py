@@ -47,12 +47,12 @@ def test_only_settings_environments_and_the_launchers_touch_the_process_environm
     assert {p for p in touching if not p.startswith("keras_dist/launchers/")} <= allowed
 
 
-def test_the_process_settings_are_read_by_the_runtime_the_tool_and_the_launchers_alone():
+def test_the_process_settings_are_read_by_the_runtime_start_up_the_tool_and_the_launchers_alone():
     # Everything else receives them (`Strategy.settings`, with the process environment in their
     # `variables`), so a test can hand in its own.
     readers = {path for path, tree in modules().items() if uses_of(tree, "keras_dist.settings", {"current"})}
     assert {p for p in readers if not p.startswith("keras_dist/launchers/")} == {
-        "keras_dist/runtime.py", "keras_dist/cli.py", "keras_dist/console.py"}
+        "keras_dist/runtime.py", "keras_dist/startup.py", "keras_dist/cli.py", "keras_dist/console.py"}
 
 
 def test_strategies_collectives_and_fault_tolerance_receive_their_settings():

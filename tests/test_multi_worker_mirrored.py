@@ -80,3 +80,29 @@ def test_launcher_gives_each_worker_its_own_tf_config():
     assert len(set(configs[0]["cluster"]["worker"])) == 2
     with pytest.raises(KerasDistError, match="drop --ps"):
         launchers.create(strategies.launcher_of("multi_worker_mirrored")).tasks(2, 1, ["train.py"])
+
+
+
+# Records TF_CPP_MIN_LOG_LEVEL as TensorFlow's import starts (TensorFlow reads it once).
+LOG_LEVEL_AT_IMPORT = """
+import os, sys
+seen = []
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "tensorflow" and not seen:
+            seen.append(os.environ.get("TF_CPP_MIN_LOG_LEVEL"))
+sys.meta_path.insert(0, Watch())
+import keras_dist
+print("level at TensorFlow's import:", seen, keras_dist.init().name)
+"""
+
+
+def test_a_task_started_by_hand_quiets_tensorflow_before_choosing_its_backend_imports_it():
+    # TF_CONFIG set by hand, so no launcher set TF_CPP_MIN_LOG_LEVEL; without the restart that
+    # binds the server's address (KERAS_DIST_BIND_ALL), which would inherit the level.
+    from keras_dist.launchers.processes import free_ports
+
+    config = json.dumps({"cluster": {"worker": [f"127.0.0.1:{free_ports(1)[0]}"]}, "task": {"type": "worker", "index": 0}})
+    code, out = runner.run(["env", "-u", "TF_CPP_MIN_LOG_LEVEL", runner.PYTHON, "-c", LOG_LEVEL_AT_IMPORT], timeout=180,
+                           env={"TF_CONFIG": config, "KERAS_BACKEND": "tensorflow", "KERAS_DIST_BIND_ALL": "1"})
+    assert code == 0 and "level at TensorFlow's import: ['1'] multi_worker_mirrored" in out, out[-3000:]
