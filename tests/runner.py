@@ -131,16 +131,17 @@ def tf_config_envs(count):
             for i in range(count)]
 
 
-def train(out_dir, backend, *args, timeout=240):
-    """Runs train_worker.py on `backend` ("single", "mirrored" or "mwms") and loads results."""
+def train(out_dir, backend, *args, timeout=240, env=None):
+    """Runs train_worker.py on `backend` ("single", "mirrored" or "mwms") and loads results;
+    `env`: variables every process gets besides."""
     out_dir = str(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     argv = [WORKER, out_dir, *map(str, args)]
     if backend == "mwms":
-        envs = tf_config_envs(2)
+        envs = [{**e, **(env or {})} for e in tf_config_envs(2)]
         run_python_ok([argv, argv], envs, timeout)
         return [load(out_dir, rank) for rank in range(2)]
-    run_python_ok([argv], [{"KERAS_DIST_BACKEND": backend}], timeout)
+    run_python_ok([argv], [{"KERAS_DIST_BACKEND": backend, **(env or {})}], timeout)
     return [load(out_dir, 0)]
 
 
