@@ -66,8 +66,8 @@ def start() -> None:
         environment = facts.environment = dataclasses.replace(environment, job_address=address)
         errors.uncaught_errors_in_one_line(one_line=not chosen.debug_log)
     strategy = strategies.strategy_class(facts.backend)
-    settings.export({**variables, **strategy.process_variables(environment, facts.settings)})
-    strategy.prepare_process(environment, facts.settings)
+    settings.export({**variables, **strategy.process_variables(environment, chosen)})
+    strategy.prepare_process(environment, chosen)
     processes.watch_launcher(chosen.variables)
     if strategy.shares_random_seed and environment.size > 1:
         share_random_seed(runtime.current())
