@@ -155,7 +155,7 @@ class DistributedTraining:
         local_steps = self.strategy.process_local_steps(self.model)
         if self.in_fit:  # validation inside fit: inputs already split
             with self._flag("in_evaluate"), set_while(self, "stand_in_evaluation", self.stand_in_validation), \
-                    local_steps:
+                    self._quiet_end_of_open_ended_input(), local_steps:
                 return self.keras_evaluate(*args, **kwargs)
         arguments, _ = self._worker_args(self.keras_evaluate, args, kwargs)
         data = inputs.evaluate(self.strategy, _read(arguments, "steps"))
