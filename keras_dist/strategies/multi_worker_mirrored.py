@@ -230,6 +230,15 @@ def _make_strategy(chosen: Settings) -> "tf.distribute.MultiWorkerMirroredStrate
             from keras_dist.inputs import tf_data
 
             equal_steps = dataset in self.equal_steps
+            if dataset.options().autotune.enabled is None:
+                # Without tf.data's autotuning thread, unless the script asks for it: freeing
+                # an iterator waits for that thread, which here woke only between rounds
+                # up to a minute apart. A resumed chief on two hosts took 25 and 59 s to
+                # free one after fit, or outlived the job's deadline at exit (2 runs in 4).
+                # AUTOTUNE parallelism stays at its starting value.
+                no_autotune = tf.data.Options()
+                no_autotune.autotune.enabled = False
+                dataset = dataset.with_options(no_autotune)
             local = len(self.extended.worker_devices)
             if local > 1:
                 batch, _ = tf_data.dataset_batch_size(dataset)
