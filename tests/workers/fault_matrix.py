@@ -66,6 +66,7 @@ class Fault(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if hit and moment == "mid_epoch" and self.epoch == fault_epoch and batch == 1:
+            background_writes.wait_for_all()  # the epoch before is backed up: see `evaluate`
             inject("mid_epoch")
         if hit and moment == "save" and self.epoch == fault_epoch and batch == 0:
             # The backup of the epoch before is written in the background: on disk first,
@@ -75,6 +76,10 @@ class Fault(keras.callbacks.Callback):
 
     def on_test_batch_begin(self, batch, logs=None):
         if hit and moment == "evaluate" and self.epoch == fault_epoch and batch == 1:
+            # The backup of the epoch before is written in the background: on disk first, so
+            # that a rerun resumes at this epoch (under load a frozen chief had not yet
+            # committed it once, and the rerun began the epoch before again).
+            background_writes.wait_for_all()
             inject("evaluate")
 
 
