@@ -36,6 +36,9 @@ def compile(
             replicas (pair it with `keras_dist.callbacks.LearningRateWarmup`).
         **kwargs: passed to `model.compile`.
 
+    `keras_dist.compile(model)` alone recompiles a compiled model (one `keras.models.load_model`
+    returned) with its own settings and optimizer, whose state it keeps.
+
     Example:
 
     ```python
@@ -53,6 +56,8 @@ def compile(
         raise KerasDistError(f"gradient_reduction must be 'mean' or 'sum', got {gradient_reduction!r}")
     if gradient_compression not in (None, "fp16", "bf16"):
         raise KerasDistError(f"gradient_compression must be None, 'fp16' or 'bf16', got {gradient_compression!r}")
+    if not args and not kwargs and model.compiled:
+        kwargs = _compiled_with(model)
     strategy = runtime.current()
     overrides.restore(model)  # compiled before: start again from Keras's own methods
     strategy.prepare_model(model)
@@ -69,6 +74,18 @@ def compile(
                 _scale_learning_rate(optimizer, strategy.num_replicas)
         strategy.distribute_optimizer(optimizer, options)
     training.attach(model, strategy, options)
+
+
+def _compiled_with(model: keras.Model) -> dict:
+    """The `compile` arguments a compiled model was given (by `keras.models.load_model` from its
+    file, or by `model.compile`), with its optimizer itself: its state (a loaded one's too) is kept."""
+    config = model.get_compile_config()
+    if config is None:
+        raise KerasDistError(f"keras_dist.compile(model) without arguments recompiles a compiled model with its own "
+                             f"settings, but {model.name!r} keeps none; pass them: keras_dist.compile(model, "
+                             "optimizer=..., loss=...)")
+    arguments = keras.saving.deserialize_keras_object(config)
+    return {**arguments, "optimizer": model.optimizer}
 
 
 def _is_trainer(model: Any) -> bool:

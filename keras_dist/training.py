@@ -15,14 +15,16 @@ import contextlib
 import inspect
 import itertools
 import logging
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_dist import inputs, optimizer_hooks
+from keras_dist import inputs, keras_internals, optimizer_hooks
+from keras_dist.errors import KerasDistError
 from keras_dist.logs import flat_logs, metric_results
-from keras_dist.fault_tolerance import background_writes, resume
+from keras_dist.fault_tolerance import background_writes, resume, script_saves
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
 from keras_dist.inputs.position import EpochPosition
 from keras_dist.callbacks.batch_logs import TRAIN_BATCH_HOOKS, reads_batch_logs
@@ -267,7 +269,7 @@ def _say_fit_cannot_resize() -> None:
 def _read(arguments: dict, steps: str) -> inputs.Inputs:
     """The input among a call's Keras arguments, its step bound named `steps`."""
     return inputs.Inputs(arguments["x"], arguments.get("y"), arguments.get("sample_weight"),
-                         arguments["batch_size"], arguments[steps])
+                         arguments["batch_size"], arguments[steps], class_weight=arguments.get("class_weight"))
 
 
 def _write(arguments: dict, data: inputs.Inputs, steps: str) -> None:
@@ -284,4 +286,63 @@ def attach(model: keras.Model, strategy: "Strategy", gradient_options: "Gradient
     for name in names:
         override(model, name, getattr(training, name.lstrip("_")))
     override(model, "_keras_dist", training)
+    script_saves.install(model, strategy)
     return training
+
+
+class UndistributedFitGuard:
+    """Stops, in one line, the `fit` of a model that `keras_dist.compile` did not compile, in a
+    job of several processes: one compiled by `model.compile`, or by `keras.models.load_model`
+    from its file. Each process would train it alone, on all the data, and end with weights
+    no other process has, silently.
+
+    Keras has no hook at `fit`, and keras_dist patches no Keras class, so this object is set
+    as Keras's global distribution (`keras.distribution.set_distribution`) on the backends
+    where Keras reads that setting at only two places (TensorFlow, PyTorch): its data
+    adapter asks whether the distribution spans several processes at the start of every
+    `fit`, `evaluate` and `predict` (`_is_multi_process`), and a layer call asks for an output
+    layout (none here). At that question this object looks for the model whose `fit` runs.
+    `evaluate` and `predict` of such a model run as in one process (every process computes
+    the same, whole result), as does a sub-model cut out of the trained one.
+    """
+
+    auto_shard_dataset = False
+
+    def __init__(self, strategy: "Strategy") -> None:
+        self.strategy = strategy
+
+    @property
+    def _is_multi_process(self) -> bool:
+        model = _model_whose_fit_runs()
+        if model is not None and "_keras_dist" not in vars(model):
+            raise KerasDistError(
+                f"fit of {type(model).__name__} {model.name!r}, which model.compile or "
+                f"keras.models.load_model compiled, not keras_dist.compile: each of the {self.strategy.size} processes "
+                "would train it alone; call keras_dist.compile(model) before fit (without other arguments it keeps "
+                "the model's optimizer, its state and its compile settings)")
+        return False
+
+    def get_tensor_layout(self, path: str) -> None:
+        return None
+
+
+def _model_whose_fit_runs() -> keras.Model | None:
+    """The model whose Keras `fit` is on the stack (the innermost), if any."""
+    trainer = keras_internals.trainer_mixin()
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "fit":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, trainer):
+                return owner
+        frame = frame.f_back
+    return None
+
+
+def refuse_undistributed_fits(strategy: "Strategy") -> None:
+    """Sets `UndistributedFitGuard` as Keras's distribution where it can stand in for one: a
+    job of several processes whose Keras loops keras_dist runs, on TensorFlow or PyTorch (on
+    JAX, keras_dist's own distribution is set while a compiled model's `fit` runs)."""
+    if strategy.size > 1 and strategy.runs_keras_loops and keras.backend.backend() in ("tensorflow", "torch") \
+            and keras.distribution.distribution() is None:
+        keras.distribution.set_distribution(UndistributedFitGuard(strategy))

@@ -29,7 +29,8 @@ from keras_dist.overrides import methods_while, override
 
 logger = logging.getLogger("keras_dist")
 
-_PARTIAL = ".keras_dist-partial-"
+# Every partial file or directory keras_dist writes begins with this (a crash may leave one).
+PARTIAL_PREFIX = ".keras_dist-partial-"
 _STAGED = ".keras_dist-staged"
 BACKUP_OPTION = "BackupAndRestore's backup_dir (keras-dist launch --backup-dir)"
 
@@ -68,7 +69,10 @@ def _atomic_checkpoint(callback):
                 written.append(final)
             return save
 
-        with methods_while(model, {name: to_partial_file(getattr(model, name)) for name in ("save", "save_weights")}):
+        # Keras's own methods: the model's `save` may be keras_dist's (`script_saves`), which
+        # counts the saves every process makes; this one is the chief's alone.
+        keras_methods = {name: getattr(type(model), name).__get__(model) for name in ("save", "save_weights")}
+        with methods_while(model, {name: to_partial_file(method) for name, method in keras_methods.items()}):
             keras_save(epoch, batch, logs)
         for final in written:
             publish(_partial(final), final)
@@ -269,7 +273,7 @@ def _finish_interrupted_commit(weights, metadata):
 
 def _partial(path):
     directory, name = os.path.split(path)
-    return os.path.join(directory, _PARTIAL + name)
+    return os.path.join(directory, PARTIAL_PREFIX + name)
 
 
 def publish(partial: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:

@@ -9,6 +9,14 @@ share of the inputs (`auto_shard_dataset=False`), only the chief writes files, a
 weights (`process_local_steps`), so shards of unequal length need no padding and every
 example counts once.
 
+Keras's distribution is set only while a compiled model's `fit` runs (`on_the_mesh`), not
+for the whole process: under it every variable Keras makes is a collective (JAX checks
+that its value agrees on every process) and every output spans all processes, so a
+model the script loads, or cuts out of the trained one to `predict`, hung or failed
+("Fetching value for jax.Array that spans non-addressable devices"), and so did a save
+on the chief alone (Keras makes an optimizer to list what not to save). Outside `fit`
+every variable is this process's own copy, and the process is plain Keras.
+
 Launch: `keras-dist launch --backend jax -n 2 train.py`, `horovodrun -np 2 python train.py`,
 or any launcher whose cluster environment names a coordinator (torchrun-style variables,
 Slurm's `srun`, or Keras's own `KERAS_DISTRIBUTION_*` variables), with `KERAS_BACKEND=jax`.
@@ -28,7 +36,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist import environments, keras_workarounds_jax, network, timeouts
+from keras_dist import environments, keras_workarounds_jax, network, optimizer_hooks, timeouts
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
@@ -262,7 +270,6 @@ class JaxDataParallelStrategy(Strategy):
         self._jax = jax
         self.collectives = JaxProcesses(jax)
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
-        keras.distribution.set_distribution(self.distribution)
         self._local_depth = 0
 
     @classmethod
@@ -281,23 +288,35 @@ class JaxDataParallelStrategy(Strategy):
         return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
 
     def prepare_model(self, model: keras.Model) -> keras.Model:
-        # Variables made before keras_dist started (the script built its model first)
-        # live on one device; the step needs them replicated over the global mesh.
-        _replicate(model.variables)
         keras_workarounds_jax.metric_resets_keep_their_layout(model, _replicate)
         return model
 
     def run_loop(self, method: str, model: keras.Model, keras_method: Callable[..., Any], arguments: dict) -> Any:
-        # Variables the script made before keras_dist started (metric objects, a model
-        # built first) would sit on one device where the global step needs them everywhere.
-        if method == "fit":
-            _replicate(_variables_of(model))
         try:
-            return keras_method(**arguments)
+            if method != "fit":
+                return keras_method(**arguments)
+            with self.on_the_mesh(model):
+                return keras_method(**arguments)
         except (ValueError, RuntimeError) as exc:  # jaxlib's errors for a failed gloo collective
             if "Gloo" not in str(exc) or not any(closed in str(exc) for closed in _PEER_CLOSED):
                 raise
             raise self._who_exited(exc) from None
+
+    @contextlib.contextmanager
+    def on_the_mesh(self, model: keras.Model) -> Iterator[None]:
+        """Keras's distribution set, and the model's variables replicated over the global mesh
+        (from this process's copy, with no collective), while `fit` runs; afterwards each
+        variable is this process's copy again, and Keras's distribution unset."""
+        if self.size == 1 or keras.distribution.distribution() is self.distribution:
+            yield
+            return
+        keras.distribution.set_distribution(self.distribution)
+        try:
+            _replicate(_variables_of(model))
+            yield
+        finally:
+            keras.distribution.set_distribution(None)
+            _localize(_variables_of(model))
 
     def _who_exited(self, error: Exception) -> PeerFailure:
         """A peer closed its connections: it ended (a frozen one times out instead, `_PeerWatch`).
@@ -315,7 +334,6 @@ class JaxDataParallelStrategy(Strategy):
         if options.compression is not None or options.reduction != "mean":
             raise KerasDistError("backend 'jax' averages gradients inside XLA's step; drop gradient_compression "
                                  "and gradient_reduction from keras_dist.compile")
-        _replicate(optimizer.variables)  # its step counter exists from the optimizer's creation
 
     # --- work one process does alone --------------------------------------------------
     def global_metric_states(self, variables: Sequence[keras.Variable]) -> list:
@@ -334,38 +352,33 @@ class JaxDataParallelStrategy(Strategy):
     def process_local_steps(self, model: keras.Model) -> Iterator[None]:
         """Runs Keras on this process's devices alone: `evaluate`, `predict`, the chief's saves.
 
-        Under a multi-process distribution, every step, and even every assignment to a
-        variable (JAX checks the value is the same everywhere), is a collective. Here the
-        model's variables become copies on this process's first device and Keras's
-        distribution is unset, so each process steps through its own shard, however long
-        (keras_dist sums the metric states at the end), and the chief alone can save or
-        restore a checkpoint. On exit every variable is replicated again from this
+        Inside `fit` (`on_the_mesh`), every step, and even every assignment to a variable
+        (JAX checks the value is the same everywhere), is a collective. Here the model's
+        variables become copies on this process's first device and Keras's distribution
+        is unset, so each process steps through its own shard, however long (keras_dist
+        sums the metric states at the end), and the chief alone can save or restore a
+        checkpoint. On exit inside `fit` every variable is replicated again from this
         process's value, without a collective (the chief's restored weights then reach
         the others through keras_dist's broadcast).
         """
         if self.size == 1 or self._local_depth:
             yield
             return
-        variables = _variables_of(model)
-        for variable in variables:
-            # A copy: Keras's step donates its state, and this process's shard of the
-            # global array shares its buffer. Through NumPy, so it is uncommitted like the
-            # metric states Keras resets and the batches it feeds: committed weights beside
-            # them compiled every local step twice, at each evaluation.
-            local = np.asarray(variable._value.addressable_data(0))
-            variable._value, variable._layout = self._jax.numpy.array(local), None
+        _localize(_variables_of(model))
         global_functions = (model.test_function, model.predict_function)
         model.test_function, model.predict_function = getattr(model, "_keras_dist_local_functions", (None, None))
+        in_fit = keras.distribution.distribution()
         keras.distribution.set_distribution(None)
         self._local_depth += 1
         try:
             yield
         finally:
             self._local_depth -= 1
-            keras.distribution.set_distribution(self.distribution)
+            keras.distribution.set_distribution(in_fit)
             override(model, "_keras_dist_local_functions", (model.test_function, model.predict_function))
             model.test_function, model.predict_function = global_functions
-            _replicate(_variables_of(model))  # those made meanwhile too (a model built by evaluate)
+            if in_fit is not None:
+                _replicate(_variables_of(model))  # those made meanwhile too (a model built by evaluate)
 
     def chief_file_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
         """The chief saves and restores alone, so process-locally; its other hooks (and
@@ -414,8 +427,23 @@ def _replicate(variables):
             variable.shape, sharding, [jax.device_put(local, device) for device in sharding.addressable_devices])
 
 
+def _localize(variables):
+    """Makes each variable this process's own copy, on its first device, with no layout."""
+    import jax
+
+    for variable in variables:
+        if not isinstance(variable._value, jax.Array):
+            continue  # not made yet
+        # A copy: Keras's step donates its state, and this process's shard of the global
+        # array shares its buffer. Through NumPy, so it is uncommitted like the metric
+        # states Keras resets and the batches it feeds: committed weights beside them
+        # compiled every local step twice, at each evaluation.
+        local = np.asarray(variable._value.addressable_data(0))
+        variable._value, variable._layout = jax.numpy.array(local), None
+
+
 def _variables_of(model):
-    """The model's, its metrics' and its optimizer's variables (what Keras's steps read)."""
-    optimizer = getattr(model, "optimizer", None)
-    optimizer_variables = list(optimizer.variables) if optimizer is not None else []
+    """The model's, its metrics' and its optimizers' variables (what Keras's steps read; a
+    GAN's `compile` takes optimizers of its own)."""
+    optimizer_variables = [v for optimizer in optimizer_hooks.optimizers_of(model) for v in optimizer.variables]
     return list({id(v): v for v in [*model.variables, *model.metrics_variables, *optimizer_variables]}.values())

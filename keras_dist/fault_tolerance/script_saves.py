@@ -1,0 +1,182 @@
+"""The script's own saves in a job of several processes: written once, by the chief, atomically.
+
+A script ends with `model.save(p)` (or `save_weights`, or `export`) and often reads it
+back at once with `keras.models.load_model(p)`. Every process runs the script, so every
+process would write `p` at the same moment: the file came out corrupt (a bad CRC in
+`config.json`) and the next `load_model` failed. For a model `keras_dist.compile`
+compiled, those three methods are replaced on the model object (`install`):
+
+* the chief writes into a staging directory beside `p`, then renames what Keras wrote
+  into place (shards first, the named file last): a reader sees the previous file or the
+  new one, never part of one. It then records, in `.keras_dist-saved-NAME` beside `p`,
+  how many of its saves of `p` are committed, and goes on: it waits for nobody, so a save
+  called by the chief alone (`if keras_dist.current().is_chief:`) costs what it did.
+* every other process writes nothing: its k-th save of `p` returns once that record says
+  k or more (from this run: records older than this process are a run before). Its next
+  line may read `p`. Where the machines share no file system, the record never appears:
+  after the wait bound (the step timeout's first value, longer while the chief's staging
+  directory still grows) one line says so and names the fix.
+
+On JAX the chief saves on its own copy of the weights (`Strategy.process_local_steps`):
+under Keras's multi-process distribution each variable Keras makes while saving is a
+collective, which hung a chief saving alone. Paths Keras writes elsewhere than the local
+file system (`gs://`, `hf://`) and file objects are the chief's alone, with no wait.
+`keras.saving.save_model(model, p)`, Keras's function, does not go through the model's
+methods, so it writes from every process that calls it; `docs/semantics.md` says so.
+"""
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import keras
+
+from keras_dist.errors import KerasDistError
+from keras_dist.fault_tolerance.atomic_writes import PARTIAL_PREFIX, publish
+from keras_dist.overrides import override
+
+if TYPE_CHECKING:
+    from keras_dist.strategies.base import Strategy
+
+logger = logging.getLogger("keras_dist")
+
+SAVING_METHODS = ("save", "save_weights", "export")
+RECORD_PREFIX = ".keras_dist-saved-"
+_POLL_SECONDS = 0.05
+# When this process started keras_dist's part: a record older than that is a run before's.
+_STARTED = time.time()
+# A record's modification time comes from the file system's clock, which may lag ours a little.
+_CLOCK_SLACK_SECONDS = 1.0
+
+
+def install(model: keras.Model, strategy: "Strategy") -> None:
+    """Makes `model.save`, `save_weights` and `export` write once, from the chief (a job of
+    several processes; one process keeps Keras's own methods)."""
+    if strategy.size == 1:
+        return
+    for name in SAVING_METHODS:
+        keras_method = getattr(type(model), name, None)
+        if keras_method is not None:
+            override(model, name, _once_from_the_chief(model, strategy, keras_method.__get__(model)))
+
+
+def _once_from_the_chief(model: keras.Model, strategy: "Strategy", keras_method: Callable[..., Any]) -> Callable[..., Any]:
+    def save(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(filepath, (str, os.PathLike)):  # a file object: this process's own
+            with strategy.process_local_steps(model):
+                return keras_method(filepath, *args, **kwargs)
+        if "://" in os.fspath(filepath):  # Keras writes it through its own file layer: the chief's alone
+            if not strategy.is_chief:
+                return None
+            with strategy.process_local_steps(model):
+                return keras_method(filepath, *args, **kwargs)
+        path = os.path.abspath(os.fspath(filepath))
+        _SAVES[path] = count = _SAVES.get(path, 0) + 1
+        if not strategy.is_chief:
+            _wait_for_chief(path, count, strategy.step_timeout.first, strategy.rank)
+            return None
+        with strategy.process_local_steps(model):
+            result = _write_committed(path, keras_method, args, kwargs)
+        _record(path, count)
+        return result
+
+    return save
+
+
+# This process's saves so far, by absolute path.
+_SAVES: dict[str, int] = {}
+
+
+def _write_committed(path: str, keras_method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Runs `keras_method` on a staging path beside `path`, then renames what it wrote into place."""
+    directory, name = os.path.split(path)
+    if not os.path.isdir(directory) or _asks_before_overwriting(path, args, kwargs):
+        return keras_method(path, *args, **kwargs)  # Keras's own error, or its question, as without keras_dist
+    staging = os.path.join(directory, f"{PARTIAL_PREFIX}{name}.{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)  # left by a chief killed while saving
+    os.mkdir(staging)
+    try:
+        result = keras_method(os.path.join(staging, name), *args, **kwargs)
+        # Shards before the file that names them; a directory (a SavedModel) whole.
+        for entry in sorted(os.listdir(staging), key=lambda e: e == name):
+            _move_into_place(os.path.join(staging, entry), os.path.join(directory, entry))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return result
+
+
+def _asks_before_overwriting(path: str, args: tuple, kwargs: dict) -> bool:
+    """`overwrite=False` over an existing file: Keras asks the user, on the real name."""
+    overwrite = kwargs.get("overwrite", args[0] if args and isinstance(args[0], bool) else True)
+    return not overwrite and os.path.exists(path)
+
+
+def _move_into_place(source: str, target: str) -> None:
+    if not os.path.isdir(source):
+        publish(source, target)
+        return
+    # A directory cannot replace a non-empty one in one rename: the old one moves aside first.
+    aside = f"{source}.previous"
+    if os.path.exists(target):
+        os.replace(target, aside)
+    os.replace(source, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _record_path(path: str) -> str:
+    directory, name = os.path.split(path)
+    return os.path.join(directory, RECORD_PREFIX + name)
+
+
+def _record(path: str, count: int) -> None:
+    """Says, beside `path`, that the chief's first `count` saves of it are committed."""
+    record = _record_path(path)
+    partial = f"{record}.{os.getpid()}"
+    with open(partial, "w") as f:
+        json.dump({"committed": count}, f)
+    publish(partial, record)
+
+
+def _committed(path: str) -> int:
+    """The saves of `path` the chief committed in this run (0: none yet, or a record of a run before)."""
+    record = _record_path(path)
+    with contextlib.suppress(OSError, ValueError):
+        if os.stat(record).st_mtime >= _STARTED - _CLOCK_SLACK_SECONDS:
+            with open(record) as f:
+                return int(json.load(f)["committed"])
+    return 0
+
+
+def _staging_size(path: str) -> int:
+    """Bytes in the chief's staging directories for `path` so far: its save's progress."""
+    directory, name = os.path.split(path)
+    total = 0
+    with contextlib.suppress(OSError):  # renamed into place or removed meanwhile
+        for staging in os.listdir(directory):
+            if staging.startswith(f"{PARTIAL_PREFIX}{name}."):
+                for root, _, files in os.walk(os.path.join(directory, staging)):
+                    total += sum(os.path.getsize(os.path.join(root, file)) for file in files)
+    return total
+
+
+def _wait_for_chief(path: str, count: int, timeout: float, rank: int) -> None:
+    """Returns once the chief has committed its `count`-th save of `path`; one line after
+    `timeout` seconds without it (or without its save growing on disk)."""
+    deadline, size = time.monotonic() + timeout, _staging_size(path)
+    while _committed(path) < count:
+        now = time.monotonic()
+        if now > deadline:
+            grown = _staging_size(path)
+            if grown == size:
+                raise KerasDistError(
+                    f"rank {rank} saved {path} and waited {timeout:g} s for the chief's copy, which did not appear "
+                    "there: the chief did not save it (save on every process, or on the chief alone, not on some), or "
+                    "this machine does not share the chief's file system (save to a path every machine shares, or "
+                    "save on the chief alone: `if keras_dist.current().is_chief:`)")
+            size, deadline = grown, now + timeout
+        time.sleep(_POLL_SECONDS)

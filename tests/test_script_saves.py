@@ -1,0 +1,61 @@
+"""The script's own `model.save`, `save_weights` and `load_model` under 2 processes, on every
+backend and launcher (tests/workers/script_saves.py): written once, by the chief, atomically;
+read right after on every process; the chief alone saving waits for nobody; a loaded model's
+`fit` refused in one line, and trained on every replica once `keras_dist.compile(model)`
+recompiled it, as one process at the global batch."""
+
+import json
+
+import numpy as np
+import pytest
+
+from runner import WORKERS, configuration_command, run
+
+pytestmark = pytest.mark.timeout(900)
+WORKER = WORKERS / "script_saves.py"
+BATCH = 8
+# configuration (tests/runner.py) and the Keras backend it runs.
+CONFIGURATIONS = {"horovod_2": "tensorflow", "mwms_2": "tensorflow", "launch_2": "jax", "torchrun_2": "torch"}
+
+
+def reports(tmp_path, configuration, keras_backend, batch, processes):
+    out = tmp_path / configuration
+    out.mkdir()
+    code, output = run(configuration_command(configuration, [WORKER, out, batch]), timeout=400,
+                       env={"KERAS_BACKEND": keras_backend})
+    assert code == 0, output[-4000:]
+    return [json.loads((out / f"report.{rank}.json").read_text()) for rank in range(processes)], output
+
+
+@pytest.mark.parametrize("configuration", sorted(CONFIGURATIONS))
+def test_saves_are_the_chiefs_and_every_rank_reads_them_at_once(tmp_path, configuration):
+    keras_backend = CONFIGURATIONS[configuration]
+    pytest.importorskip({"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[keras_backend])
+    (chief, other), output = reports(tmp_path, configuration, keras_backend, BATCH, 2)
+    (alone,), _ = reports(tmp_path, "plain_1", keras_backend, 2 * BATCH, 1)
+    for kind in ("save", "save_weights"):
+        size = (tmp_path / configuration / ("model.keras" if kind == "save" else "model.weights.h5")).stat().st_size
+        # Written once: by the chief, through a staging name; the other process wrote nothing there.
+        # (HDF5 leaves holes it never writes; a process also writes a little to its own pipes.)
+        assert chief[kind]["bytes"] > size / 2 > 2 * other[kind]["bytes"], (kind, size, chief[kind], other[kind])
+        assert other[kind]["opened"] == [], other[kind]
+        assert all(name.startswith(".keras_dist-") for name in chief[kind]["opened"]), chief[kind]
+    for report in (chief, other):
+        assert report["loaded_weights_equal"] and report["loaded_weights_equal_too"]
+        assert report["sub_model_predicts"] == [5, 16]
+        # Never a stale or partial file: each round reads its own save, or one the chief made since.
+        seen = report["rounds_seen"]
+        assert all(s >= r for r, s in enumerate(seen)) and seen == sorted(seen) and seen[-1] == 19, seen
+    assert np.allclose(chief["loaded_predicts"], other["loaded_predicts"])
+    assert chief["chief_alone_seconds"] < 30  # nobody waited for the others
+    assert not list((tmp_path / configuration).glob(".keras_dist-partial-*"))
+    if keras_backend != "jax":  # JAX: the loaded model trains in each process as plain Keras (docs/semantics.md)
+        for report in (chief, other):
+            assert report["loaded_fit"].startswith("fit of Sequential") and "keras_dist.compile(model)" in \
+                report["loaded_fit"], report["loaded_fit"]
+    assert alone["loaded_fit"] == "trained"  # one process: plain Keras
+    # Recompiled by keras_dist.compile(model): trained on every replica, as one process at the global batch.
+    for ours, reference in zip(chief["retrained_weights"], alone["retrained_weights"]):
+        assert np.allclose(ours, reference, atol=1e-5), configuration
+    for a, b in zip(chief["retrained_weights"], other["retrained_weights"]):
+        assert np.array_equal(a, b)
