@@ -298,10 +298,12 @@ class UndistributedFitGuard:
 
     Keras has no hook at `fit`, and keras_dist patches no Keras class, so this object is set
     as Keras's global distribution (`keras.distribution.set_distribution`) on the backends
-    where Keras reads that setting at only two places (TensorFlow, PyTorch): its data
+    where Keras reads that setting at only three places (TensorFlow, PyTorch): its data
     adapter asks whether the distribution spans several processes at the start of every
-    `fit`, `evaluate` and `predict` (`_is_multi_process`), and a layer call asks for an output
-    layout (none here). At that question this object looks for the model whose `fit` runs.
+    `fit`, `evaluate` and `predict` (`_is_multi_process`), its tf.data adapter hands it the
+    dataset (kept as it is here: keras_dist splits inputs before Keras sees them), and a
+    layer call asks for an output layout (none here). At the first question this object
+    looks for the model whose `fit` runs.
     `evaluate` and `predict` of such a model run as in one process (every process computes
     the same, whole result), as does a sub-model cut out of the trained one.
     """
@@ -321,6 +323,9 @@ class UndistributedFitGuard:
                 "would train it alone; call keras_dist.compile(model) before fit (without other arguments it keeps "
                 "the model's optimizer, its state and its compile settings)")
         return False
+
+    def distribute_dataset(self, dataset: Any) -> Any:
+        return dataset
 
     def get_tensor_layout(self, path: str) -> None:
         return None

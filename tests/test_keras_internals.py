@@ -204,7 +204,8 @@ def test_get_data_adapter():
 def test_keras_asks_the_global_distribution_at_every_fit():
     """`keras_dist.training.UndistributedFitGuard` is Keras's global distribution in a job of several processes
     on TensorFlow and PyTorch: Keras's data adapter asks it `_is_multi_process` at every fit, evaluate and
-    predict, and a layer call asks it for an output layout; nothing else of it is read on those backends."""
+    predict, its tf.data adapter hands it the dataset, and a layer call asks it for an output layout; nothing
+    else of it is read on those backends."""
     from keras_dist.errors import KerasDistError
     from keras_dist.strategies.single import SingleProcessStrategy
     from keras_dist.training import UndistributedFitGuard
@@ -220,8 +221,32 @@ def test_keras_asks_the_global_distribution_at_every_fit():
                 model.fit(x, x[:, :1], verbose=0)
             assert model.predict(x, verbose=0).shape == (4, 1)
             model.evaluate(x, x[:, :1], verbose=0)
+            import tensorflow as tf
+
+            model.evaluate(tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(2), verbose=0)
     finally:
         keras.distribution.set_distribution(None)
+
+def test_data_adapter_class():
+    with canary("keras.src.trainers.data_adapters.data_adapter.DataAdapter",
+                "keras_dist.inputs.arrays.EpochBatches is one, which fit must take as it is"):
+        adapter_class = keras_internals.data_adapter_class()
+        adapter = type("Batches", (adapter_class,), {"num_batches": 1})()
+        assert keras_internals.get_data_adapter(adapter) is adapter
+
+
+def test_packed_arrays():
+    with canary("keras.src.trainers.data_adapters.array_data_adapter.ArrayDataAdapter._inputs",
+                "keras_dist.inputs.arrays.EpochRows packs fit's arrays as Keras's array adapter does"):
+        x, labels = np.zeros((4, 2), "float32"), np.array([0, 1, 1, 0])
+        assert keras_internals.packed_arrays(x) is x
+        assert isinstance(keras_internals.packed_arrays([x, x]), tuple)
+        weights = np.arange(4.0)
+        packed = keras_internals.packed_arrays(x, [labels, labels], weights)
+        assert packed[2][0] is weights and packed[2][1] is weights
+        _, _, from_classes = keras_internals.packed_arrays(x, labels, class_weight={0: 1.0, 1: 3.0})
+        assert np.asarray(from_classes).tolist() == [1.0, 3.0, 3.0, 1.0]
+
 
 # --- array slicing -----------------------------------------------------------------------------
 
@@ -244,6 +269,37 @@ def test_convert_to_sliceable():
         assert cut["b"][1] is None
         for_tf = keras_internals.convert_to_sliceable(data, target_backend="tensorflow")
         assert np.asarray(for_tf["a"]).tolist() == list(range(6))
+
+
+def test_take_batch():
+    with canary(f"{ARRAY_SLICING} Sliceable conversions",
+                "keras_dist.inputs.arrays.EpochRows converts each batch as Keras's array adapter does"):
+        rows = np.array([3, 1])
+        (sliceable,) = keras_internals.convert_to_sliceable([np.arange(8, dtype="float64").reshape(4, 2)])
+        for target in ("numpy", "jax", "torch", "tensorflow"):
+            batch = keras_internals.take_batch(sliceable, rows, target)
+            assert np.asarray(batch).tolist() == [[6.0, 7.0], [2.0, 3.0]] and batch.dtype == "float32", target
+        pandas = pytest.importorskip("pandas")
+        (series,) = keras_internals.convert_to_sliceable([pandas.Series(np.arange(4.0))])
+        assert keras_internals.take_batch(series, rows, "numpy").shape == (2, 1)
+        scipy_sparse = pytest.importorskip("scipy.sparse")
+        tf = pytest.importorskip("tensorflow")
+        (sparse,) = keras_internals.convert_to_sliceable([scipy_sparse.csr_matrix(np.eye(4, dtype="float32"))])
+        batch = keras_internals.take_batch(sparse, rows, "tensorflow")
+        assert isinstance(batch, tf.SparseTensor) and tf.sparse.to_dense(batch).numpy().tolist()[0] == [0, 0, 0, 1]
+
+
+def test_gather_batch():
+    tf = pytest.importorskip("tensorflow")
+    with canary(f"{ARRAY_SLICING}.TensorflowSparseWrapper and slice_tensorflow_sparse_wrapper",
+                "keras_dist.inputs.arrays.EpochBatches gathers each batch in tf.data as Keras's array adapter does"):
+        data = (np.arange(8, dtype="float32").reshape(4, 2), tf.sparse.from_dense(np.eye(4, dtype="float32")))
+        arrays = keras_internals.convert_to_sliceable(data, target_backend="tensorflow")
+        indices = tf.data.Dataset.from_tensors(tf.constant([3, 1], tf.int64))
+        dense, sparse = next(iter(tf.data.Dataset.zip((indices, tf.data.Dataset.from_tensors(arrays)))
+                                  .map(keras_internals.gather_batch)))
+        assert dense.numpy().tolist() == [[6.0, 7.0], [2.0, 3.0]]
+        assert tf.sparse.to_dense(sparse).numpy().tolist() == [[0, 0, 0, 1], [0, 1, 0, 0]]
 
 
 def test_train_validation_split():

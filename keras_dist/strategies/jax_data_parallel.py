@@ -289,6 +289,17 @@ class JaxDataParallelStrategy(Strategy):
 
     def prepare_model(self, model: keras.Model) -> keras.Model:
         keras_workarounds_jax.metric_resets_keep_their_layout(model, _replicate)
+        make_train_function = model.make_train_function
+
+        def make_train_function_on_the_mesh(force: bool = False) -> None:
+            # Keras reads each variable's placement here for the step's output; variables
+            # `fit` made before (building an unbuilt model, its optimizer's and metrics')
+            # were made on one device, where `on_the_mesh` could not see them yet.
+            if keras.distribution.distribution() is self.distribution:
+                _replicate(_variables_of(model))
+            return make_train_function(force)
+
+        override(model, "make_train_function", make_train_function_on_the_mesh)
         return model
 
     def run_loop(self, method: str, model: keras.Model, keras_method: Callable[..., Any], arguments: dict) -> Any:
