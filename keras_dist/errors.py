@@ -4,6 +4,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 
 class KerasDistError(RuntimeError):
@@ -75,16 +76,41 @@ def uncaught_errors_in_one_line(one_line: bool = True) -> None:
     previous = sys.excepthook
 
     def print_one_line(kind, value, traceback):
-        for note in _FAILURE_NOTES:
-            with contextlib.suppress(Exception):
-                note()
+        _run_failure_notes()
         if not one_line or not issubclass(kind, KerasDistError):
             previous(kind, value, traceback)
             return
-        # The process's own stderr: a wrapping hook would print what it captured only after this returns.
-        sys.stdout.flush()
-        sys.__stderr__.write(f"{kind.__module__}.{kind.__qualname__}: {value}\n")
-        sys.__stderr__.flush()
+        _write_one_line(value)
         os._exit(1)
 
     sys.excepthook = print_one_line
+
+
+def end_process(error: KerasDistError) -> NoReturn:
+    """Ends this process with `error`'s one line, as if it had been raised and not caught.
+
+    For a thread of keras_dist's that finds the job failed while the main thread cannot
+    raise it: that thread waits inside an engine that never returns (a parameter-server
+    chief inside TensorFlow, for a frozen worker's step). The notes of
+    `note_failures_with` run first; exit handlers do not (they would wait for the same
+    engine), as after an uncaught error.
+
+    Args:
+        error: the error to report, e.g. a `PeerFailure`.
+    """
+    _run_failure_notes()
+    _write_one_line(error)
+    os._exit(1)
+
+
+def _run_failure_notes() -> None:
+    for note in _FAILURE_NOTES:
+        with contextlib.suppress(Exception):
+            note()
+
+
+def _write_one_line(error: BaseException) -> None:
+    # The process's own stderr: a wrapping hook would print what it captured only after this returns.
+    sys.stdout.flush()
+    sys.__stderr__.write(f"{type(error).__module__}.{type(error).__qualname__}: {error}\n")
+    sys.__stderr__.flush()

@@ -16,10 +16,12 @@ import tensorflow as tf
 from runner import BIN, PYTHON, QUIET_ENV, ROOT, WORKERS, run, selected_backend
 from keras_dist import strategies
 from keras_dist import launchers
+from keras_dist import timeouts
+from keras_dist.strategies.parameter_server import step_watch
 from keras_dist.strategies.parameter_server.loop import CoordinatedSteps, refuse_batch_log_readers
 from keras_dist.strategies.parameter_server.strategy import ParameterServerStrategy
 from keras_dist.errors import KerasDistError
-from keras_dist.launchers.processes import kill_process_groups
+from keras_dist.launchers.processes import LAUNCHER_PID_VARIABLE, kill_process_groups, process_ended
 from keras_dist.network import tcp_listeners
 from keras_dist.environments import LocalEnvironment
 from keras_dist.settings import Settings
@@ -296,6 +298,116 @@ def test_a_frozen_worker_stops_the_job_in_one_line_instead_of_stalling_it(tmp_pa
     # Named by probing the workers: worker 0's steps can wait behind the frozen one's.
     assert errors and re.search(r"PeerFailure: /job:worker/task:1 \(\S+\) stopped answering within 5 s \(a step "
                                 r"did not finish\)", errors[0]), out[-3000:]
+
+
+class FakeRemote:
+    """A `RemoteValue` whose `fetch` returns `value` once `release` is set (never: a frozen worker's step)."""
+
+    def __init__(self, value=None):
+        self.value, self.release = value, threading.Event()
+
+    def fetch(self):
+        self.release.wait()
+        return self.value
+
+
+@pytest.mark.parametrize("loop_waits", [True, False])
+def test_the_step_watch_times_the_oldest_unfinished_step_wherever_the_loop_is(monkeypatch, loop_waits):
+    # The loop waiting for a step gets the PeerFailure raised there; a loop elsewhere (inside
+    # TensorFlow, which never returns) cannot: the watch ends the process with its line.
+    ended = []
+    monkeypatch.setattr(step_watch, "_end_process", ended.append)
+    stalled = threading.Event()
+    watch = step_watch.StepWatch(timeouts.StepTimeout(1.0, 1.0, True), 1, lambda remote: ["/job:worker/task:0 (a:1)"],
+                                 stalled)
+    finished, frozen = FakeRemote("value"), FakeRemote()
+    finished.release.set()
+    first, second = watch.add(finished, "train"), watch.add(frozen, "train")
+    assert watch.value(first) == "value"  # the clock of the second starts once the first is fetched
+    started = time.monotonic()
+    if loop_waits:
+        with pytest.raises(step_watch.PeerFailure, match=r"^/job:worker/task:0 \(a:1\) stopped answering within 1 s "
+                           r"\(a step did not finish\)"):
+            watch.value(second)
+        assert not ended
+    else:
+        while not ended and time.monotonic() - started < 30:
+            time.sleep(0.05)
+        assert len(ended) == 1 and "/job:worker/task:0 (a:1) stopped answering within 1 s" in str(ended[0])
+    assert 0.9 <= time.monotonic() - started < 10 and stalled.is_set()
+    frozen.release.set()
+
+
+def _tasks_of(launcher_pid):
+    """{"worker:1": pid, ...}: the tasks `keras-dist launch` started (each in a session of its own)."""
+    tasks = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError):  # not a process, or gone
+            continue
+        if environ.get(LAUNCHER_PID_VARIABLE.encode()) == str(launcher_pid).encode() and b"TF_CONFIG" in environ:
+            task = json.loads(environ[b"TF_CONFIG"])["task"]
+            tasks[f"{task['type']}:{task['index']}"] = int(entry)
+    return tasks
+
+
+def test_a_worker_frozen_mid_epoch_ends_a_launched_job_within_the_step_timeout_in_one_line(tmp_path):
+    """Issue 58: `keras-dist launch`, 2 workers and 1 ps, NumPy arrays the chief reads batch by
+    batch. Worker 1 is stopped (SIGSTOP) mid-epoch while the chief holds at a step. Before, the
+    chief's next read of a batch waited inside TensorFlow for the frozen worker's step, where no
+    step timeout could end it: every process was still there 180 s later, silent. Now the job
+    ends within the step timeout and a margin (naming the worker, the launcher's 5 s for its
+    tasks to exit), with one line naming the frozen task, and no process is left."""
+    step_timeout, margin = 5, 20
+    argv = [BIN / "keras-dist", "launch", "--backend", "parameter_server", "-n", 2, "--ps", 1,
+            WORKERS / "ps_training.py", tmp_path, 4, 100, "--arrays", "--hold-train", "2:40"]
+    base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    launcher = subprocess.Popen([str(a) for a in argv], env={**base, **QUIET_ENV, "KERAS_DIST_STEP_TIMEOUT":
+                                str(step_timeout)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    lines = []  # (when it arrived, line)
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in launcher.stdout),
+                              daemon=True)
+    reader.start()
+    tasks = {}
+    try:
+        deadline = time.monotonic() + 240
+        while not any("[chief:0] train step 40 of epoch 2" in line for _, line in lines):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(l for _, l in lines)[-4000:]
+            time.sleep(0.05)
+        tasks = _tasks_of(launcher.pid)
+        assert sorted(tasks) == ["chief:0", "ps:0", "worker:0", "worker:1"], tasks
+        os.kill(tasks["worker:1"], signal.SIGSTOP)
+        frozen = time.monotonic()
+        (tmp_path / "resume").touch()  # the chief goes on: its next steps go to both workers
+        try:
+            launcher.wait(timeout=step_timeout + margin + 60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end {step_timeout + margin + 60} s after worker 1 froze; "
+                        f"output:\n{''.join(l for _, l in lines)[-4000:]}")
+        ended = time.monotonic()
+        reader.join(timeout=10)
+        left = {name: pid for name, pid in tasks.items() if not process_ended(pid)}
+    finally:
+        # By pid, each task being a session of its own; those still ours only (a pid is reused).
+        for pid in _tasks_of(launcher.pid).values():
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        kill_process_groups([launcher])
+    out = "".join(line for _, line in lines)
+    named = [(when, line) for when, line in lines if "/job:worker/task:1 " in line]
+    assert len(named) == 1 and out.count("PeerFailure") == 1, out[-4000:]
+    assert re.match(r"\[chief:0\] keras_dist\.errors\.PeerFailure: /job:worker/task:1 \(127\.0\.0\.1:\d+\) stopped "
+                    rf"answering within {step_timeout} s \(a step did not finish\)", named[0][1]), out[-4000:]
+    print(f"worker:1 frozen mid-epoch 2: the line {named[0][0] - frozen:.1f} s later, the job ended "
+          f"{ended - frozen:.1f} s later (step timeout {step_timeout} s)")
+    assert launcher.returncode != 0 and not left, (launcher.returncode, left)
+    assert ended - frozen < step_timeout + margin, out[-4000:]
 
 
 ENDLESS_PIPELINE = """

@@ -1,11 +1,14 @@
 """A parameter-server training script for the fault-tolerance tests (the chief runs it all).
 
-    python ps_training.py OUT_DIR EPOCHS STEPS_PER_EPOCH [--hold-evaluation]
+    python ps_training.py OUT_DIR EPOCHS STEPS_PER_EPOCH [--hold-evaluation] [--arrays] [--hold-train E:S]
 
 Trains from a dataset function (built on every worker) with BackupAndRestore in
 OUT_DIR/backup, prints "epoch N begin" as each epoch starts (the tests kill tasks on
-cue). With --hold-evaluation it prints "evaluate step 8" in the middle of the final
-evaluation and waits there until OUT_DIR/resume exists (at most 120 s). It writes
+cue). With --arrays it trains from NumPy arrays instead, which the chief reads batch by
+batch (an eager operation of its own before each step). With --hold-evaluation it prints
+"evaluate step 8" in the middle of the final evaluation, with --hold-train E:S "train
+step S of epoch E" as that step begins (the steps before it in flight or done), and waits
+there until OUT_DIR/resume exists (at most 120 s). It writes
 OUT_DIR/result.json: epochs run, their durations, the optimizer's step count, the
 history, and `evaluate` and `predict` with their values computed here from the weights.
 """
@@ -23,6 +26,10 @@ import keras_dist
 
 out_dir, epochs, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 hold_evaluation = "--hold-evaluation" in sys.argv[4:]
+arrays = "--arrays" in sys.argv[4:]
+hold_train = None
+if "--hold-train" in sys.argv:  # (epoch, step)
+    hold_train = tuple(map(int, sys.argv[sys.argv.index("--hold-train") + 1].split(":")))
 rng = np.random.default_rng(0)
 x = rng.normal(size=(512, 8)).astype("float32")
 y = (x @ rng.normal(size=(8, 1))).astype("float32")
@@ -50,17 +57,35 @@ class EpochLog(keras.callbacks.Callback):
         self.seconds.append(time.monotonic() - self.start)
 
 
-history = model.fit(dataset_fn, epochs=epochs, steps_per_epoch=steps, verbose=0,
-                    callbacks=[keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup")), EpochLog()])
+def hold(line):
+    print(line, flush=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(out_dir, "resume")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class HoldTraining(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == hold_train:
+            hold(f"train step {batch} of epoch {self.epoch}")
+
+
+callbacks = [keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup")), EpochLog(), HoldTraining()]
+if arrays:  # `steps` batches of 16 an epoch
+    repeats = (steps * 16 // len(x) + 1, 1)
+    history = model.fit(np.tile(x, repeats)[:steps * 16], np.tile(y, repeats)[:steps * 16], batch_size=16,
+                        epochs=epochs, verbose=0, callbacks=callbacks)
+else:
+    history = model.fit(dataset_fn, epochs=epochs, steps_per_epoch=steps, verbose=0, callbacks=callbacks)
 
 
 class HoldEvaluation(keras.callbacks.Callback):
     def on_test_batch_begin(self, batch, logs=None):
         if batch == 8:  # 7 finished steps not yet fetched; the next steps are not scheduled yet
-            print("evaluate step 8", flush=True)
-            deadline = time.monotonic() + 120
-            while not os.path.exists(os.path.join(out_dir, "resume")) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            hold("evaluate step 8")
 
 
 x_eval, y_eval = np.tile(x, (4, 1)), np.tile(y, (4, 1))  # 32 steps of 64

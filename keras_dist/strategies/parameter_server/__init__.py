@@ -10,6 +10,7 @@ Training is asynchronous: each closure reads the variables on the ps tasks, comp
 one batch's update and applies it, while other workers do the same.
 
 The package's parts: `server` (what worker and ps tasks run), `strategy` (the chief's
-strategy), `loop` (fit/evaluate/predict as scheduled closures) and `sharded_variables`
-(variables a partitioner split over the ps tasks).
+strategy), `loop` (fit/evaluate/predict as scheduled closures), `step_watch` (the step
+timeout, on a thread of its own) and `sharded_variables` (variables a partitioner split
+over the ps tasks).
 """

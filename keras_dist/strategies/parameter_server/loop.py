@@ -15,8 +15,9 @@ import tensorflow as tf
 from keras_dist import keras_internals, keras_workarounds, network, timeouts
 from keras_dist.inputs import tf_data
 from keras_dist.strategies.parameter_server import sharded_variables
+from keras_dist.strategies.parameter_server.step_watch import Step, StepWatch
 from keras_dist.callbacks.batch_logs import reads_batch_logs
-from keras_dist.errors import KerasDistError, PeerFailure
+from keras_dist.errors import KerasDistError
 from keras_dist.logs import flat_logs, metric_results
 from keras_dist.settings import Settings
 
@@ -38,7 +39,8 @@ class CoordinatedSteps:
             closures in flight; a stalled step probes them to name a frozen one).
         step_timeout: how long a step may take before the job stops with a one-line error:
             its `first` until a step function has run `timeouts.FIRST_STEPS` times on each
-            worker's share, then its `later`; None: the defaults.
+            worker's share, then its `later`; None: the defaults. Timed on a thread of its
+            own (`step_watch`), wherever the chief waits.
         stalled: set when a step did not finish in time.
     """
 
@@ -48,8 +50,8 @@ class CoordinatedSteps:
         self.model = model
         self.step_timeout = step_timeout or timeouts.policy(Settings())
         self.workers = workers
-        self._finished = {}  # step function -> steps fetched
         self.stalled = stalled or threading.Event()
+        self._watch = StepWatch(self.step_timeout, len(workers), self._stopped, self.stalled)
         self.strategy = strategy
         self.coordinator = coordinator
         # Enough queued steps to keep every worker busy, few enough that the chief reads
@@ -131,43 +133,34 @@ class CoordinatedSteps:
             results = {name: results.get(name, value) for name, value in step_logs.items()}
         return {name: float(value) if np.ndim(value) == 0 else np.asarray(value) for name, value in results.items()}
 
-    def _fetch(self, remote, function, args, attempts=3):
-        """The value of a finished closure, running it again if its worker died before handing it over.
+    def _value(self, step: Step, function, args, attempts=3):
+        """The value of a finished step, running it again if its worker died before handing it over.
 
         A closure's result stays on its worker until fetched; TensorFlow retries closures
         that fail, not results lost afterwards. A training batch rerun here trains twice,
         as one whose worker died mid-update does under TensorFlow's own retry. A step
-        unfinished after `step_timeout` seconds (a frozen or stalled worker, which
-        TensorFlow would wait for forever) stops the job with a one-line error: running
+        unfinished after the step timeout (a frozen or stalled worker, which TensorFlow
+        would wait for forever) stops the job with a one-line error (`StepWatch`): running
         it elsewhere does not help, as the coordinator's thread for that worker then
         blocks the chief's next eager operation (seen here: `evaluate` hung after `fit`
         had gone on without the frozen worker).
         """
         from tensorflow.python.distribute.coordinator.cluster_coordinator import _is_worker_failure
 
-        finished = self._finished.get(function, 0)
-        timeout = (self.step_timeout.later if finished >= timeouts.FIRST_STEPS * len(self.workers)
-                   else self.step_timeout.first)
         for attempt in range(attempts):
             try:
-                value = _value_within(remote, timeout)
-                self._finished[function] = finished + 1
-                return value
+                return self._watch.value(step)
             except tf.errors.OpError as error:
                 if not _is_worker_failure(error) or attempt == attempts - 1:
                     raise
-            except TimeoutError:
-                self.stalled.set()
-                raise PeerFailure(self._stopped(remote), f"{timeout:g} s", "TensorFlow cannot go on without it: "
-                                  "restart the job (BackupAndRestore resumes after the last epoch), or raise "
-                                  f"{timeouts.STEP_TIMEOUT_VARIABLE} if steps are that slow", cause="a step did not finish") from None
-            remote = self.coordinator.schedule(function, args=args)
+            step = self._watch.add(self.coordinator.schedule(function, args=args), function, oldest=True)
 
     def _stopped(self, remote):
         """Names the workers that no longer answer, else the one running `remote`'s step.
 
-        The step waited on is not always the frozen worker's: others' steps can wait
-        behind it (a frozen worker 1 leaves worker 0's step unfinished too).
+        The late step is not always the frozen worker's: others' steps can wait behind
+        it (a frozen worker 1 leaves worker 0's step unfinished too). Called on the
+        watch's thread.
         """
         with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
             serving = list(pool.map(network.serves, self.workers))
@@ -188,13 +181,13 @@ class CoordinatedSteps:
         values, in_flight = [], deque()
 
         def collect_oldest():
-            step, remote, args = in_flight.popleft()
-            values.append(self._fetch(remote, function, args))
+            step, watched, args = in_flight.popleft()
+            values.append(self._value(watched, function, args))
             getattr(callbacks, end)(step, {})
 
         for step, args in enumerate(inputs):
             getattr(callbacks, begin)(step)
-            in_flight.append((step, self.coordinator.schedule(function, args=args), args))
+            in_flight.append((step, self._watch.add(self.coordinator.schedule(function, args=args), function), args))
             if len(in_flight) >= self.max_in_flight:
                 collect_oldest()
             if self.model.stop_training:
@@ -322,26 +315,6 @@ class CoordinatedSteps:
         outputs = run()
         callbacks.on_predict_end()
         return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs)
-
-
-def _value_within(remote, seconds):
-    """`remote.fetch()`, or TimeoutError after `seconds` (the fetch goes on, unread, on its thread)."""
-    outcome = {}
-    done = threading.Event()
-
-    def fetch():
-        try:
-            outcome["value"] = remote.fetch()
-        except Exception as error:  # handed to the caller, whatever it is
-            outcome["error"] = error
-        done.set()
-
-    threading.Thread(target=fetch, name="keras_dist-fetch", daemon=True).start()
-    if not done.wait(seconds):
-        raise TimeoutError
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def _worker_running(remote):
