@@ -78,7 +78,7 @@ def announce(strategy: "Strategy") -> None:
     if environment.KNOWS_LOCAL_SIZE:
         machines = -(-strategy.size // max(1, environment.local_size))
         where = f" on {machines} machine{'' if machines == 1 else 's'}"
-    logger.info("keras_dist: %s backend (%s): %d replicas in %d processes%s (cluster environment: %s)",
-                strategy.name, type(strategy).__name__, strategy.num_replicas, strategy.size, where,
-                environment.name or "none")
+    logger.info("keras_dist: %s backend (%s): %d replicas in %d process%s%s (cluster environment: %s)",
+                strategy.name, type(strategy).__name__, strategy.num_replicas, strategy.size,
+                "" if strategy.size == 1 else "es", where, environment.name or "none")
     logger.debug("keras_dist: this process is %s", strategy.describe())

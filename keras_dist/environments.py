@@ -17,6 +17,7 @@ print(env.name, env.rank, env.size, env.is_chief, env.coordinator)
 import glob
 import json
 import os
+import pkgutil
 import re
 import socket
 import time
@@ -118,6 +119,33 @@ def visible_gpus(environ: Mapping[str, str]) -> int:
         return len(os.listdir("/proc/driver/nvidia/gpus"))  # one folder per GPU the driver found
     except OSError:  # a container may show the device files without the driver's /proc entries
         return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def jax_local_devices(environ: Mapping[str, str]) -> int:
+    """The devices JAX will give a process started with `environ`, counted without starting
+    JAX (its process group must start first, where there is one): the host devices
+    `XLA_FLAGS` forces (a CPU stand-in for accelerators), a Cloud TPU VM's chips
+    (`/dev/accel*`, `/dev/vfio/N`), or the visible GPUs where JAX's CUDA plugin is
+    installed; else 1 (a CPU process)."""
+    platforms = environ.get("JAX_PLATFORMS", "")
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
+    if platforms == "cpu" or forced:
+        return int(forced.group(1)) if forced and platforms in ("", "cpu") else 1
+    chips = len(glob.glob("/dev/accel[0-9]*")) or len(glob.glob("/dev/vfio/[0-9]*"))
+    if chips and platforms in ("", "tpu"):
+        return chips
+    if platforms in ("", "cuda", "gpu") and jax_cuda_plugin_installed():
+        return max(1, visible_gpus(environ))
+    return 1
+
+
+def jax_cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA support (a plugin package: jax-cuda12-plugin, ...) is installed, without importing JAX."""
+    try:
+        import jax_plugins
+    except ImportError:
+        return False
+    return any("cuda" in plugin.name for plugin in pkgutil.iter_modules(jax_plugins.__path__))
 
 
 def _first(environ, names, default=None):

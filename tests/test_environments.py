@@ -95,3 +95,12 @@ def test_the_local_launcher_tells_jax_processes_their_place_on_the_machine():
     tasks = KerasDistributionLauncher().tasks(3, 0, ["train.py"], None)
     places = [environments.detect(task.env) for task in tasks]
     assert [(p.rank, p.size, p.local_rank, p.local_size) for p in places] == [(i, 3, i, 3) for i in range(3)]
+
+
+def test_jax_counts_a_hosts_devices_without_starting():
+    # The selection itself, with a real JAX process: tests/test_examples.py (several devices).
+    forced = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    assert environments.jax_local_devices(forced) == 4
+    assert environments.jax_local_devices({**forced, "JAX_PLATFORMS": "cpu"}) == 4
+    assert environments.jax_local_devices({**forced, "JAX_PLATFORMS": "cuda"}) == 1
+    assert environments.jax_local_devices({"JAX_PLATFORMS": "cpu"}) == 1

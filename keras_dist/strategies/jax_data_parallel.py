@@ -26,7 +26,6 @@ import atexit
 import contextlib
 import logging
 import os
-import pkgutil
 import socket
 import threading
 import time
@@ -124,11 +123,7 @@ def _local_gpus(environ: Mapping[str, str], environment: ClusterEnvironment) -> 
     platforms = environ.get("JAX_PLATFORMS", "")
     if environment.local_size == 1 or (platforms and "cuda" not in platforms and "gpu" not in platforms):
         return None
-    try:
-        import jax_plugins  # JAX's CUDA support is a plugin package (jax-cuda12-plugin, ...)
-    except ImportError:
-        return None
-    if not any("cuda" in plugin.name for plugin in pkgutil.iter_modules(jax_plugins.__path__)):
+    if not environments.jax_cuda_plugin_installed():
         return None
     gpus = environments.visible_gpus(environ)
     if gpus == 0:
@@ -253,7 +248,9 @@ class JaxDataParallelStrategy(Strategy):
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
-        return detected.size > 1
+        # A process a platform started alone on a host with several accelerators (a Cloud
+        # TPU VM's chips, a GPU machine) trains on all of them, as `mirrored` does on TensorFlow.
+        return detected.size > 1 or (detected.name == "local" and environments.jax_local_devices(environ) > 1)
 
     @classmethod
     def prepare_process(cls, environment: ClusterEnvironment, chosen: Settings) -> None:
@@ -318,7 +315,7 @@ class JaxDataParallelStrategy(Strategy):
         """Keras's distribution set, and the model's variables replicated over the global mesh
         (from this process's copy, with no collective), while `fit` runs; afterwards each
         variable is this process's copy again, and Keras's distribution unset."""
-        if self.size == 1 or keras.distribution.distribution() is self.distribution:
+        if self.num_replicas == 1 or keras.distribution.distribution() is self.distribution:
             yield
             return
         keras.distribution.set_distribution(self.distribution)
