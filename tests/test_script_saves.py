@@ -36,13 +36,14 @@ def test_saves_are_the_chiefs_and_every_rank_reads_them_at_once(tmp_path, config
     for kind in ("save", "save_weights"):
         size = (tmp_path / configuration / ("model.keras" if kind == "save" else "model.weights.h5")).stat().st_size
         # Written once: by the chief, through a staging name; the other process wrote nothing there.
-        # (HDF5 leaves holes it never writes; a process also writes a little to its own pipes.)
+        # (HDF5 leaves holes it never writes; a process also writes a few KB to its own pipes, and the
+        # model is large enough, about 250 KB, that those stay far below half of it.)
         assert chief[kind]["bytes"] > size / 2 > 2 * other[kind]["bytes"], (kind, size, chief[kind], other[kind])
         assert other[kind]["opened"] == [], other[kind]
         assert all(name.startswith(".keras_dist-") for name in chief[kind]["opened"]), chief[kind]
     for report in (chief, other):
         assert report["loaded_weights_equal"] and report["loaded_weights_equal_too"]
-        assert report["sub_model_predicts"] == [5, 16]
+        assert report["sub_model_predicts"] == [5, 2048]
         # Never a stale or partial file: each round reads its own save, or one the chief made since.
         seen = report["rounds_seen"]
         assert all(s >= r for r, s in enumerate(seen)) and seen == sorted(seen) and seen[-1] == 19, seen

@@ -14,6 +14,8 @@ import weakref
 
 import keras
 
+from keras_dist.fault_tolerance.atomic_writes import keras_own_saves
+from keras_dist.keras_internals import is_default
 from keras_dist.launchers.processes import process_ended
 from keras_dist.overrides import restore
 
@@ -76,27 +78,40 @@ class ScratchCallback(keras.callbacks.Callback):
         self.inner.set_params(params)
 
     def __getattribute__(self, name):
-        # Every `on_*` hook goes to the copy; cleanup follows the end of the run.
+        # Every `on_*` hook goes to the copy, saving with Keras's own methods (the scratch copy
+        # is this worker's alone); cleanup follows the end of the run.
         if name.startswith("on_") and name not in ("on_train_begin", "on_train_end", "on_test_end", "on_predict_end"):
-            return getattr(object.__getattribute__(self, "inner"), name)
+            hook = getattr(object.__getattribute__(self, "inner"), name)
+            if is_default(hook):  # Keras tells idle batch hooks apart by this
+                return hook
+            model = object.__getattribute__(self, "inner").model
+
+            def with_keras_own_saves(*args, **kwargs):
+                with keras_own_saves(model):
+                    return hook(*args, **kwargs)
+            return with_keras_own_saves
         return object.__getattribute__(self, name)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._training = True
-        self.inner.on_train_begin(logs)
+        with keras_own_saves(self.model):
+            self.inner.on_train_begin(logs)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self.inner.on_train_end(logs)
+        with keras_own_saves(self.model):
+            self.inner.on_train_end(logs)
         self._training = False
         self._remove()
 
     def on_test_end(self, logs: dict | None = None) -> None:
-        self.inner.on_test_end(logs)
+        with keras_own_saves(self.model):
+            self.inner.on_test_end(logs)
         if not self._training:
             self._remove()
 
     def on_predict_end(self, logs: dict | None = None) -> None:
-        self.inner.on_predict_end(logs)
+        with keras_own_saves(self.model):
+            self.inner.on_predict_end(logs)
         self._remove()
 
     def _remove(self):

@@ -35,6 +35,18 @@ _STAGED = ".keras_dist-staged"
 BACKUP_OPTION = "BackupAndRestore's backup_dir (keras-dist launch --backup-dir)"
 
 
+# The model methods that write a file; `script_saves` makes them the chief's in a job of several processes.
+SAVING_METHODS = ("save", "save_weights", "export")
+
+
+def keras_own_saves(model: keras.Model) -> contextlib.AbstractContextManager[None]:
+    """Context in which `model`'s saving methods are Keras's own: for saves keras_dist makes on
+    one process (the chief's checkpoints, a worker's scratch copy), which no other process
+    matches with a save of its own (`script_saves`)."""
+    return methods_while(model, {name: getattr(type(model), name).__get__(model) for name in SAVING_METHODS
+                                 if hasattr(type(model), name)})
+
+
 def make_writes_atomic(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
     """Makes `callback` (a `ModelCheckpoint` or `BackupAndRestore`, else unchanged) save atomically.
 
@@ -71,9 +83,9 @@ def _atomic_checkpoint(callback):
 
         # Keras's own methods: the model's `save` may be keras_dist's (`script_saves`), which
         # counts the saves every process makes; this one is the chief's alone.
-        keras_methods = {name: getattr(type(model), name).__get__(model) for name in ("save", "save_weights")}
-        with methods_while(model, {name: to_partial_file(method) for name, method in keras_methods.items()}):
-            keras_save(epoch, batch, logs)
+        with keras_own_saves(model):
+            with methods_while(model, {name: to_partial_file(getattr(model, name)) for name in ("save", "save_weights")}):
+                keras_save(epoch, batch, logs)
         for final in written:
             publish(_partial(final), final)
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from keras_dist.errors import KerasDistError
-from keras_dist.fault_tolerance.atomic_writes import PARTIAL_PREFIX, publish
+from keras_dist.fault_tolerance.atomic_writes import PARTIAL_PREFIX, SAVING_METHODS, publish
 from keras_dist.overrides import override
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("keras_dist")
 
-SAVING_METHODS = ("save", "save_weights", "export")
 RECORD_PREFIX = ".keras_dist-saved-"
 _POLL_SECONDS = 0.05
 # When this process started keras_dist's part: a record older than that is a run before's.
