@@ -19,6 +19,8 @@ address and ports and reads everyone's (`Nodes.exchange`), as torchrun's c10d st
 import contextlib
 import dataclasses
 import json
+import logging
+import re
 import threading
 import time
 import urllib.error
@@ -29,6 +31,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from keras_dist import network
 from keras_dist.errors import KerasDistError
+
+logger = logging.getLogger("keras_dist")
 
 DEFAULT_PORT = 29400
 # Seconds a machine waits for the others to join (they start by hand, or by a scheduler).
@@ -242,21 +246,60 @@ def directory(nodes: Nodes) -> Iterator[None]:
         server.shutdown()
 
 
+# The directory's bounds on what a request may be: its bodies are a few small JSON values.
+MAX_BODY_BYTES = 64 * 1024
+# Seconds a client may take over a request before its connection is closed (a stalled or
+# hostile client must not hold a thread for ever).
+REQUEST_SECONDS = 5.0
+# A key and a rank in a path: what `Nodes` publishes ("3", "elastic-2", "current", ...).
+_PATH = re.compile(r"/([A-Za-z0-9_-]{1,64})(?:/([0-9]{1,6}))?")
+
+
 def _serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
     entries = {}
     lock = threading.Lock()
 
     class Directory(BaseHTTPRequestHandler):
+        timeout = REQUEST_SECONDS
+
         def do_PUT(self):
-            attempt, _, rank = self.path.strip("/").partition("/")
-            value = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            match = _PATH.fullmatch(self.path)
+            if not match or match[2] is None:
+                return self.send_error(404)
+            length = self.headers.get("Content-Length", "")
+            if not length.isdigit():
+                return self.send_error(411)
+            if int(length) > MAX_BODY_BYTES:
+                return self.send_error(413)
+            try:
+                body = self.rfile.read(int(length))
+            except OSError:  # the client stalled past REQUEST_SECONDS, or left
+                self.close_connection = True
+                return
+            try:
+                value = json.loads(body)
+            except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
+                return self.send_error(400)
             with lock:
-                entries.setdefault(attempt, {})[rank] = value
+                entries.setdefault(match[1], {})[match[2]] = value
             self._reply(b"{}")
 
         def do_GET(self):
+            match = _PATH.fullmatch(self.path)
+            if not match or match[2] is not None:
+                return self.send_error(404)
             with lock:
-                self._reply(json.dumps(entries.get(self.path.strip("/"), {})).encode())
+                self._reply(json.dumps(entries.get(match[1], {})).encode())
+
+        def __getattr__(self, name):
+            # Any other method is refused with 405, not http.server's 501.
+            if name.startswith("do_"):
+                return lambda: self.send_error(405)
+            raise AttributeError(name)
+
+        def send_error(self, code, message=None, explain=None):
+            # Every refusal is the client's doing: a 4xx, never http.server's 505.
+            super().send_error(code if code < 500 else 400, message, explain)
 
         def _reply(self, body):
             self.send_response(200)
@@ -267,8 +310,14 @@ def _serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
         def log_message(self, *args):
             pass  # one line per request is noise in the job's output
 
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            # A client that breaks off must not print socketserver's traceback into the
+            # job's output; the directory keeps serving the others.
+            logger.debug("keras_dist's directory: a request from %s failed", client_address[0], exc_info=True)
+
     try:
-        server = ThreadingHTTPServer((nodes.address, nodes.port), Directory)
+        server = Server((nodes.address, nodes.port), Directory)
     except OSError as exc:
         raise KerasDistError(f"machine 0 cannot listen at {nodes.address}:{nodes.port} ({exc.strerror}); "
                              "pick another port in --master-addr HOST:PORT") from None
