@@ -48,6 +48,7 @@ class Inputs:
             must not shuffle.
         kind: the module of the input's kind, once split (its `gather` puts predictions
             back in order).
+        class_weight: `fit`'s, kept beside the input it weighs.
     """
 
     x: Any
@@ -60,6 +61,7 @@ class Inputs:
     generator_share: Any = None  # a `keras_dist.inputs.generators.GeneratorShare`
     ordered: bool = False
     kind: str | None = None
+    class_weight: dict | None = None
 
     @classmethod
     def of_validation(cls, validation_data: Any, batch_size: int | None, steps: int | None) -> "Inputs":
