@@ -98,11 +98,25 @@ def compute_output_spec(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 def get_data_adapter(x: Any, y: Any = None, sample_weight: Any = None, batch_size: Any = None,
                      steps_per_epoch: Any = None, shuffle: Any = False, class_weight: Any = None) -> Any:
-    """Keras's data adapter for the inputs `fit` takes, which the parameter-server coordinator reads as Keras would; no public name."""
+    """Keras's data adapter for the inputs `fit` takes, which the parameter-server coordinator reads as Keras would, and keras_dist.inputs.arrays.EpochBatches wraps for its `EpochRows`; no public name."""
     from keras.src.trainers.data_adapters import get_data_adapter as keras_get_data_adapter
 
     return keras_get_data_adapter(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
                                   shuffle=shuffle, class_weight=class_weight)
+
+
+def data_adapter_class() -> type:
+    """Keras's `DataAdapter` base, which `fit` takes as its input as it is (keras_dist.inputs.arrays.EpochBatches: the batches keras_dist orders, as Keras's array adapter structures them); no public name."""
+    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+    return DataAdapter
+
+
+def packed_arrays(x: Any, y: Any = None, sample_weight: Any = None, class_weight: Any = None) -> Any:
+    """The arrays Keras's array adapter slices for `fit(x, y, sample_weight=..., class_weight=...)`, packed as it packs them (x alone without y; one sample_weight repeated for each output; class_weight as sample weights), which keras_dist.inputs.arrays.EpochRows batches in its own order; private attribute."""
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    return ArrayDataAdapter(x, y, sample_weight, class_weight=class_weight)._inputs
 
 
 # --- array slicing (keras.src.trainers.data_adapters.array_slicing) --------------------------
@@ -122,6 +136,39 @@ def convert_to_sliceable(arrays: Any, target_backend: str | None = None) -> Any:
     from keras.src.trainers.data_adapters import array_slicing
 
     return array_slicing.convert_to_sliceable(arrays, target_backend=target_backend)
+
+
+def take_batch(sliceable: Any, rows: Any, target_backend: str) -> Any:
+    """The rows `rows` of one of Keras's sliceables (`convert_to_sliceable`), converted as Keras's array adapter converts a batch for `target_backend` (TensorFlow: sparse leaves as a `tf.SparseTensor`, which it gathers in tf.data from a wrapper of one), which keras_dist.inputs.arrays.EpochRows serves; private classes."""
+    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+
+    batch = sliceable[rows]
+    if target_backend == "tensorflow":
+        if data_adapter_utils.is_tensorflow_tensor(batch):  # dense, sparse or ragged already
+            return batch
+        batch = sliceable.convert_to_tf_dataset_compatible(batch)
+        return batch.sparse if isinstance(batch, array_slicing.TensorflowSparseWrapper) else batch
+    if target_backend == "jax":
+        return sliceable.convert_to_jax_compatible(batch)
+    if target_backend == "torch":
+        return sliceable.convert_to_torch_compatible(batch)
+    return sliceable.convert_to_numpy(batch)
+
+
+def gather_batch(indices: Any, arrays: Any) -> Any:
+    """The rows `indices` of `arrays` (`convert_to_sliceable(..., "tensorflow")`, as tf.data holds them), gathered inside tf.data as Keras's array adapter gathers a batch (a sparse leaf from its wrapper), which keras_dist.inputs.arrays.EpochBatches does for its own order; nested private function."""
+    import keras
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import array_slicing
+
+    def grab(leaf):
+        if isinstance(leaf, array_slicing.TensorflowSparseWrapper):
+            return array_slicing.slice_tensorflow_sparse_wrapper(leaf, indices)
+        if isinstance(leaf, (list, tuple, dict)):
+            return None  # traversed further
+        return tf.gather(leaf, indices, axis=0) if tf.is_tensor(leaf) else leaf
+
+    return keras.tree.traverse(grab, arrays)
 
 
 def train_validation_split(arrays: Any, validation_split: float) -> tuple[Any, Any]:

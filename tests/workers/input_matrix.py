@@ -7,7 +7,11 @@ long and cover every training sample, evaluation shards count each sample once, 
 shards put back in interleaved order give the input's rows in order, and every leaf keeps
 its type; Python generators of batches are split and checked the same way. For one size
 per structure, Keras itself then runs `fit`, `evaluate` and
-`predict` on every rank's share. Prints one JSON line: {"cases": n, "failures": [...]}.
+`predict` on every rank's share, and `fit` on every rank's share in the order keras_dist
+draws (a shuffled `fit` of several processes, `keras_dist.inputs.arrays.EpochRows`), whose
+steps must get what Keras's own array adapter gives one process: the same nesting, leaf
+types and dtypes (float64 arrays cast to floatx). Prints one JSON line: {"cases": n,
+"failures": [...]}.
 """
 
 import json
@@ -23,6 +27,7 @@ from keras import tree
 from keras_dist import inputs
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs.generators import reassemble
+from keras_dist.inputs.position import EpochPosition
 from keras_dist.strategies.base import InputPlan
 
 BACKEND = keras.backend.backend()
@@ -91,6 +96,12 @@ STRUCTURES = {
     "dict_y_and_weights": lambda n: ({"a": ids(n)}, {"out1": ids(n, 1), "out2": ids(n, 1)},
                                      {"out1": np.ones(n, "float32"), "out2": np.ones(n, "float32")}),
     "sample_weight": lambda n: (ids(n), ids(n, 1), np.arange(n, dtype="float32") + 1),
+    "list_y_one_weight": lambda n: (ids(n), [ids(n, 1), ids(n, 2)], np.arange(n, dtype="float32") + 1),
+    "float64": lambda n: ((ids(n).astype("float64"), ids(n, 3).astype("float64")), ids(n, 1).astype("float64"),
+                          np.ones(n)),
+    "no_y": lambda n: (ids(n).astype("float64"), None, None),
+    "no_y_list": lambda n: ([ids(n), ids(n, 3)], None, None),
+    "no_y_dict": lambda n: ({"a": ids(n), "b": ids(n, 3)}, None, None),
     "pandas": lambda n: (as_leaf("pandas", ids(n)), as_leaf("series", ids(n)), None),
     "scipy_sparse": lambda n: (as_leaf("scipy_sparse", ids(n)), ids(n, 1), None),
     f"{BACKEND}_tensors": lambda n: ([as_leaf({"tensorflow": "tf"}.get(BACKEND, BACKEND), ids(n))] * 2, ids(n, 1), None),
@@ -241,24 +252,52 @@ def check_generator(purpose, count, num_shards):
     return failures
 
 
+SEEN = []  # what each train step got (`describe`), as Keras traced or ran it
+
+
+def describe(data):
+    """The nesting of `data`, and each leaf's type, dtype and rank, as a string."""
+    if isinstance(data, dict):
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in sorted(data.items())) + "}"
+    if isinstance(data, (list, tuple)):
+        return f"{type(data).__name__}(" + ", ".join(describe(part) for part in data) + ")"
+    if data is None:
+        return "None"
+    return f"{type(data).__name__} {keras.backend.standardize_dtype(data.dtype)} rank {len(data.shape)}"
+
+
 def make_model(x, y):
-    outputs = tree.map_structure(lambda _: None, y)  # a plain structure, out of Keras's tracking
+    # A plain structure, out of Keras's tracking; without y, one output and a loss of its own.
+    outputs = tree.map_structure(lambda _: None, y) if y is not None else None
 
     class Flatten(keras.Model):
         """One Dense over every input leaf, one output per y leaf: any structure in and out."""
 
         def __init__(self):
             super().__init__()
-            self.flat_heads = [keras.layers.Dense(1) for _ in tree.flatten(outputs)]
+            self.flat_heads = [keras.layers.Dense(1) for _ in (tree.flatten(outputs) if y is not None else [y])]
 
         def call(self, inputs):
             leaves = [keras.ops.reshape(keras.ops.cast(a, "float32"), (keras.ops.shape(a)[0], -1))
                       for a in tree.flatten(inputs)]
             features = keras.ops.concatenate(leaves, axis=1) if len(leaves) > 1 else leaves[0]
-            return tree.pack_sequence_as(outputs, [head(features) for head in self.flat_heads])
+            heads = [head(features) for head in self.flat_heads]
+            if y is None:
+                self.add_loss(keras.ops.mean(heads[0] ** 2))
+                return heads[0]
+            return tree.pack_sequence_as(outputs, heads)
+
+        if BACKEND == "jax":
+            def train_step(self, state, data):
+                SEEN.append(describe(data))
+                return super().train_step(state, data)
+        else:
+            def train_step(self, data):
+                SEEN.append(describe(data))
+                return super().train_step(data)
 
     model = Flatten()
-    model.compile(optimizer="sgd", loss="mse", run_eagerly=BACKEND != "jax")
+    model.compile(optimizer="sgd", loss="mse" if y is not None else None, run_eagerly=BACKEND != "jax")
     return model
 
 
@@ -283,6 +322,33 @@ def run_keras(purpose, structure, length, num_shards):
     return failures
 
 
+def run_ordered(structure, length, num_shards):
+    """Keras's `fit` on every rank's share in the order keras_dist draws: the failures, as strings.
+
+    Each step must get what Keras's array adapter gives one process for the same arrays.
+    """
+    x, y, weights = STRUCTURES[structure](length)
+    SEEN.clear()
+    make_model(x, y).fit(x, y, sample_weight=weights, batch_size=2, epochs=1, shuffle=True, verbose=0)
+    expected, failures = set(SEEN), []
+    for rank in range(num_shards):
+        data, _ = inputs.fit(SimulatedRank(num_shards, rank), inputs.Inputs(x, y, weights, batch_size=2),
+                             position=EpochPosition(seed=3), shuffle=True)
+        if not data.ordered:
+            failures.append(f"rank {rank}: not ordered by keras_dist")
+        SEEN.clear()
+        try:
+            make_model(x, y).fit(data.x, data.y, sample_weight=data.sample_weight, batch_size=data.batch_size,
+                                 steps_per_epoch=data.steps, epochs=1, verbose=0)
+        except Exception as exc:  # reported, not raised: one case's failure must not hide the others
+            failures.append(f"rank {rank}: Keras fit: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        if set(SEEN) != expected:
+            failures.append(f"rank {rank}: train_step got {sorted(set(SEEN))}, Keras's array adapter gives "
+                            f"{sorted(expected)}")
+    return failures
+
+
 def main():
     cases, failures = 0, []
     for structure in STRUCTURES:
@@ -294,6 +360,10 @@ def main():
                                  for f in check(purpose, structure, length, num_shards)]
             cases += 1
             failures += [f"{structure} {purpose} n=7 N=2 (Keras): {f}" for f in run_keras(purpose, structure, 7, 2)]
+        for num_shards in (1, 2):
+            cases += 1
+            failures += [f"{structure} fit shuffled n=7 N={num_shards} (ordered, Keras): {f}"
+                         for f in run_ordered(structure, 7, num_shards)]
     for purpose in ("fit_validation_data", "evaluate", "predict"):
         for num_shards in PROCESSES:
             for count in range(8):
