@@ -27,7 +27,6 @@ methods, so it writes from every process that calls it; `docs/semantics.md` says
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import time
@@ -42,8 +41,6 @@ from keras_dist.overrides import override
 
 if TYPE_CHECKING:
     from keras_dist.strategies.base import Strategy
-
-logger = logging.getLogger("keras_dist")
 
 RECORD_PREFIX = ".keras_dist-saved-"
 _POLL_SECONDS = 0.05
