@@ -153,7 +153,8 @@ def test_horovodrun_over_ssh_across_hosts_named_on_loopback_matches_one_process_
 def test_a_frozen_host_under_horovodrun_ends_the_job_naming_it(ssh_hosts):
     """`horovodrun -H` over ssh, every process of the second host stopped mid-training:
     the first host's rank ends within horovodrun's Gloo timeout (10 s here) plus a few
-    seconds, with a one-line error naming rank 1 and its host, not Horovod's own shutdown."""
+    seconds, with a one-line error naming rank 1 and its host, not Horovod's own shutdown
+    nor Gloo's timeout (whichever reaches the step first)."""
     bed = ssh_hosts
     script = f"mkdir -p {OUT} && exec {PYTHON} {WORKER} {OUT} --samples 4096 --epochs 100 --callbacks"
     command = [BIN / "horovodrun", "-np", 2, "-H", "node0:1,node1:1", "--gloo", "--gloo-timeout-seconds", 10,
@@ -168,7 +169,8 @@ def test_a_frozen_host_under_horovodrun_ends_the_job_naming_it(ssh_hosts):
     ended, _ = wait_for_the_end(bed, [launcher], timeout=120)
     out = bed.output(launcher)
     print(f"horovod: the job ended {ended[0] - frozen:.1f} s after the second host's freeze")
-    assert launcher.returncode != 0 and ended[0] - frozen < 10 + 15, out[-3000:]
+    # Gloo's 10 s, keras_dist's 3 s asking who else failed, horovodrun's shutdown, on a busy machine.
+    assert launcher.returncode != 0 and ended[0] - frozen < 10 + 20, out[-3000:]
     errors = [line.split("PeerFailure: ", 1)[1] for line in out.splitlines() if "PeerFailure: " in line]
     assert errors and errors[0].startswith("rank 1 on node1 stopped answering within 10 s"), out[-3000:]
     bed.kill(bed.hosts[1])

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("keras_dist")
 # Horovod's Gloo timeout in seconds, for every collective and its start.
 GLOO_TIMEOUT_VARIABLE = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+# How a collective's error reads when a peer stopped: Horovod's background loop saw it first
+# ("Horovod has been shut down"), or the op's own Gloo wait ended first and its error (a timeout,
+# a closed connection) names Gloo's transport source file.
+_PEER_FAILURE_MARKS = ("Horovod has been shut down", "/gloo/transport/")
 
 
 def _import_horovod():
@@ -122,9 +126,9 @@ class HorovodStrategy(Strategy):
         try:
             return super().run_loop(method, model, keras_method, arguments)
         except tf.errors.OpError as exc:
-            # Horovod reports a peer that stopped answering (its Gloo timeout) or ended as
-            # its own shutdown, on every process alike.
-            if "Horovod has been shut down" not in str(exc) or not self._names_stopped_peers:
+            # Horovod reports a peer that stopped answering (its Gloo timeout) or ended as its
+            # own shutdown or, where the op's own Gloo wait ends first, as Gloo's error.
+            if not any(mark in str(exc) for mark in _PEER_FAILURE_MARKS) or not self._names_stopped_peers:
                 raise
             raise self._who_stopped() from None
 
