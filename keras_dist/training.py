@@ -297,18 +297,22 @@ class UndistributedFitGuard:
     no other process has, silently.
 
     Keras has no hook at `fit`, and keras_dist patches no Keras class, so this object is set
-    as Keras's global distribution (`keras.distribution.set_distribution`) on the backends
-    where Keras reads that setting at only three places (TensorFlow, PyTorch): its data
+    as Keras's global distribution (`keras.distribution.set_distribution`): Keras's data
     adapter asks whether the distribution spans several processes at the start of every
-    `fit`, `evaluate` and `predict` (`_is_multi_process`), its tf.data adapter hands it the
-    dataset (kept as it is here: keras_dist splits inputs before Keras sees them), and a
-    layer call asks for an output layout (none here). At the first question this object
-    looks for the model whose `fit` runs.
+    `fit`, `evaluate` and `predict` (`_is_multi_process`), and at that question this object
+    looks for the model whose `fit` runs. Everything else Keras asks of it leaves Keras as
+    with no distribution: its tf.data adapter hands it the dataset (kept as it is:
+    keras_dist splits inputs before Keras sees them), a layer call asks for an output
+    layout and, on JAX, a new variable for its layout (none). On JAX, Keras also places
+    each batch where this object says (on this process's first device, where variables
+    without a layout are) and compiles each step for its variables' own placement; while
+    a model keras_dist compiled runs `fit`, its strategy's distribution replaces this one.
     `evaluate` and `predict` of such a model run as in one process (every process computes
     the same, whole result), as does a sub-model cut out of the trained one.
     """
 
     auto_shard_dataset = False
+    batch_dim_name = "batch"
 
     def __init__(self, strategy: "Strategy") -> None:
         self.strategy = strategy
@@ -330,6 +334,15 @@ class UndistributedFitGuard:
     def get_tensor_layout(self, path: str) -> None:
         return None
 
+    def get_variable_layout(self, variable: keras.Variable) -> None:
+        return None
+
+    def get_data_layout(self, data_shape: tuple) -> keras.distribution.TensorLayout:
+        import jax
+
+        device = keras.distribution.DeviceMesh((1,), [self.batch_dim_name], [jax.local_devices()[0]])
+        return keras.distribution.TensorLayout([self.batch_dim_name] + [None] * (len(data_shape) - 1), device)
+
 
 def _model_whose_fit_runs() -> keras.Model | None:
     """The model whose Keras `fit` is on the stack (the innermost), if any."""
@@ -345,9 +358,7 @@ def _model_whose_fit_runs() -> keras.Model | None:
 
 
 def refuse_undistributed_fits(strategy: "Strategy") -> None:
-    """Sets `UndistributedFitGuard` as Keras's distribution where it can stand in for one: a
-    job of several processes whose Keras loops keras_dist runs, on TensorFlow or PyTorch (on
-    JAX, keras_dist's own distribution is set while a compiled model's `fit` runs)."""
-    if strategy.size > 1 and strategy.runs_keras_loops and keras.backend.backend() in ("tensorflow", "torch") \
-            and keras.distribution.distribution() is None:
+    """Sets `UndistributedFitGuard` as Keras's distribution in a job of several processes
+    whose Keras loops keras_dist runs."""
+    if strategy.size > 1 and strategy.runs_keras_loops and keras.distribution.distribution() is None:
         keras.distribution.set_distribution(UndistributedFitGuard(strategy))

@@ -200,32 +200,32 @@ def test_get_data_adapter():
 
 
 
-@pytest.mark.skipif(keras.backend.backend() == "jax", reason="keras_dist sets no stand-in distribution on JAX")
 def test_keras_asks_the_global_distribution_at_every_fit():
-    """`keras_dist.training.UndistributedFitGuard` is Keras's global distribution in a job of several processes
-    on TensorFlow and PyTorch: Keras's data adapter asks it `_is_multi_process` at every fit, evaluate and
-    predict, its tf.data adapter hands it the dataset, and a layer call asks it for an output layout; nothing
-    else of it is read on those backends."""
+    """`keras_dist.training.UndistributedFitGuard` is Keras's global distribution in a job of several
+    processes: Keras's data adapter asks it `_is_multi_process` at every fit, evaluate and predict, and
+    what else Keras reads of it (a dataset, layouts; on JAX a batch's placement) leaves Keras as it is."""
     from keras_dist.errors import KerasDistError
     from keras_dist.strategies.single import SingleProcessStrategy
     from keras_dist.training import UndistributedFitGuard
 
     x = np.arange(8, dtype="float32").reshape(4, 2)
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse")
     keras.distribution.set_distribution(UndistributedFitGuard(SingleProcessStrategy()))
     try:
         with canary("the global distribution's _is_multi_process, read by get_data_adapter",
                     "keras_dist.training.UndistributedFitGuard stops the fit of a model keras_dist did not compile"):
+            model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])  # variables made under it
+            model.compile(optimizer="sgd", loss="mse")
             with pytest.raises(KerasDistError, match=r"keras_dist\.compile\(model\)"):
                 model.fit(x, x[:, :1], verbose=0)
             assert model.predict(x, verbose=0).shape == (4, 1)
             model.evaluate(x, x[:, :1], verbose=0)
+            model.train_on_batch(x, x[:, :1])  # JAX: the batch placed by its layout, not the iterator's
             import tensorflow as tf
 
             model.evaluate(tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(2), verbose=0)
     finally:
         keras.distribution.set_distribution(None)
+
 
 def test_data_adapter_class():
     with canary("keras.src.trainers.data_adapters.data_adapter.DataAdapter",

@@ -314,16 +314,17 @@ class JaxDataParallelStrategy(Strategy):
     def on_the_mesh(self, model: keras.Model) -> Iterator[None]:
         """Keras's distribution set, and the model's variables replicated over the global mesh
         (from this process's copy, with no collective), while `fit` runs; afterwards each
-        variable is this process's copy again, and Keras's distribution unset."""
+        variable is this process's copy again, and Keras's distribution the one before."""
         if self.num_replicas == 1 or keras.distribution.distribution() is self.distribution:
             yield
             return
+        idle = keras.distribution.distribution()  # `training.UndistributedFitGuard`, or none
         keras.distribution.set_distribution(self.distribution)
         try:
             _replicate(_variables_of(model))
             yield
         finally:
-            keras.distribution.set_distribution(None)
+            keras.distribution.set_distribution(idle)
             _localize(_variables_of(model))
 
     def _who_exited(self, error: Exception) -> PeerFailure:
@@ -385,7 +386,7 @@ class JaxDataParallelStrategy(Strategy):
             keras.distribution.set_distribution(in_fit)
             override(model, "_keras_dist_local_functions", (model.test_function, model.predict_function))
             model.test_function, model.predict_function = global_functions
-            if in_fit is not None:
+            if in_fit is self.distribution:
                 _replicate(_variables_of(model))  # those made meanwhile too (a model built by evaluate)
 
     def chief_file_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
