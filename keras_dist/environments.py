@@ -167,7 +167,8 @@ class MPIEnvironment(ClusterEnvironment):
     or `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the first), set in the job's environment,
     give one; otherwise, under `horovodrun --gloo` (and `keras-dist launch --backend
     horovod`), the chief picks a free port on its host and publishes it in Horovod's
-    own rendezvous store (`store`, `host:port`), where the others read it.
+    own rendezvous store (`store`, `host:port`), where the others read it, and under
+    Open MPI's `mpirun` the coordinator is on `mpirun`'s machine (`_open_mpi_launcher`).
     """
 
     store: str | None = None
@@ -191,7 +192,8 @@ class MPIEnvironment(ClusterEnvironment):
             store = f"{environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{environ['HOROVOD_GLOO_RENDEZVOUS_PORT']}"
         return cls(rank=rank, size=_first(environ, cls.SIZE, rank + 1),
                    local_rank=_first(environ, cls.LOCAL_RANK, 0), local_size=_first(environ, cls.LOCAL_SIZE, 1),
-                   coordinator=_rendezvous(environ), store=store, hostname=environ.get("HOROVOD_HOSTNAME"))
+                   coordinator=_rendezvous(environ) or (None if store else _open_mpi_launcher(environ)),
+                   store=store, hostname=environ.get("HOROVOD_HOSTNAME"))
 
     def put(self, key: str, value: str, timeout: float = 30) -> None:
         """Stores `value` under `key` (no "/": the store's paths are scope/key) in Horovod's rendezvous store."""
@@ -233,6 +235,24 @@ def _rendezvous(environ):
         return f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
     addresses = [a for a in environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "").split(",") if a]
     return addresses[0] if addresses else None
+
+
+def _open_mpi_launcher(environ):
+    """Under Open MPI's `mpirun` (4.x, ORTE): `host:port` on the machine `mpirun` runs on.
+
+    Its URI (`OMPI_MCA_orte_hnp_uri`, "JOBID.0;tcp://ADDRESS[,ADDRESS...]:PORT") is the same
+    in every process, so each derives the same coordinator with no exchange: rank 0 runs
+    there when that machine comes first in the host list, as `mpirun` places ranks by
+    default (`MASTER_ADDR` names another). The port comes from the job id, distinct per
+    `mpirun`, or `KERAS_DIST_COORDINATOR_PORT`.
+    """
+    uri = environ.get("OMPI_MCA_orte_hnp_uri")
+    match = re.match(r"(\d+)[.;].*?tcp://([^,:;]+)", uri or "")
+    if not match:
+        return None
+    # Open MPI's job ids keep the mpirun's random job family in their upper 16 bits.
+    port = _first(environ, ["KERAS_DIST_COORDINATOR_PORT"]) or 10000 + (int(match.group(1)) >> 16) % 20000
+    return f"{match.group(2)}:{port}"
 
 
 def detected_cluster(environ: Mapping[str, str]) -> dict | None:
@@ -384,6 +404,70 @@ def _tasks_on_first_node(tasks_per_node):
     return int(match.group(1)) if match else 1
 
 
+class TPUSliceEnvironment(ClusterEnvironment):
+    """The hosts of a Cloud TPU slice as GKE (and a queued-resource TPU VM) names them: one
+    process per host, `TPU_WORKER_ID` among the hosts of `TPU_WORKER_HOSTNAMES` (or
+    `TPU_PROCESS_ADDRESSES`), and for several slices (Multislice) `MEGASCALE_NUM_SLICES`,
+    `MEGASCALE_SLICE_ID` and `MEGASCALE_COORDINATOR_ADDRESS`. The coordinator is the first
+    host (of slice 0) on port `TPU_COORDINATOR_PORT`, or `KERAS_DIST_COORDINATOR_PORT`."""
+
+    name = "tpu_slice"
+    REQUIRED = ("TPU_WORKER_ID",)
+    HOSTS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")
+    # JAX's own coordinator port on TPU hosts, so that rules written for JAX fit.
+    TPU_COORDINATOR_PORT = 8482
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str]) -> bool:
+        return super().detect(environ) and any(environ.get(name) for name in cls.HOSTS)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> "TPUSliceEnvironment":
+        variable = next(name for name in cls.HOSTS if environ.get(name))
+        hosts = [h.strip() for h in environ[variable].split(",") if h.strip()]
+        worker, slices, slice_id = (_first(environ, [name], default) for name, default in
+                                    (("TPU_WORKER_ID", 0), ("MEGASCALE_NUM_SLICES", 1), ("MEGASCALE_SLICE_ID", 0)))
+        if not 0 <= worker < len(hosts):
+            raise KerasDistError(f"TPU_WORKER_ID={worker} is past the {len(hosts)} hosts of {variable}; "
+                                 "fix the slice's variables (each host's index in that list)")
+        if not 0 <= slice_id < slices:
+            raise KerasDistError(f"MEGASCALE_SLICE_ID={slice_id} is past MEGASCALE_NUM_SLICES={slices}; "
+                                 "fix the Multislice variables")
+        first = environ.get("MEGASCALE_COORDINATOR_ADDRESS") or hosts[0]
+        port = _first(environ, ["KERAS_DIST_COORDINATOR_PORT"]) or cls.TPU_COORDINATOR_PORT
+        return cls(rank=slice_id * len(hosts) + worker, size=slices * len(hosts),
+                   coordinator=f"{_without_port(first)}:{port}")
+
+
+def _without_port(address: str) -> str:
+    """`host` of `host`, `host:port` or `[v6]:port`."""
+    if address.startswith("["):
+        return address[:address.index("]") + 1]
+    return address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+
+
+class KubeflowEnvironment(ClusterEnvironment):
+    """Kubeflow Trainer's PyTorch runtime (a TrainJob) running the script itself, not through
+    `torchrun`: the `PET_*` variables it sets for torchrun, one process per node. (Under
+    `torchrun`, torchrun's own variables say more, and `TorchrunEnvironment` reads them.)"""
+
+    name = "kubeflow"
+    REQUIRED = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> "KubeflowEnvironment":
+        per_node = environ.get("PET_NPROC_PER_NODE", "1")
+        if per_node != "1":
+            raise KerasDistError(f"PET_NPROC_PER_NODE={per_node!r}: the TrainJob asks for several processes per node, "
+                                 "which `python train.py` does not start; run the script with `torchrun train.py` "
+                                 "(it reads the PET_ variables), or set numProcPerNode: 1")
+        rank, size = _first(environ, ["PET_NODE_RANK"]), _first(environ, ["PET_NNODES"])
+        if not 0 <= rank < size:
+            raise KerasDistError(f"PET_NODE_RANK={rank} is not one of the PET_NNODES={size} nodes; fix the TrainJob's "
+                                 "variables")
+        return cls(rank=rank, size=size, coordinator=f"{environ['PET_MASTER_ADDR']}:{environ['PET_MASTER_PORT']}")
+
+
 class KerasDistributionEnvironment(ClusterEnvironment):
     """The variables `keras.distribution.initialize` reads (its JAX coordinator):
     `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the first is the coordinator),
@@ -416,8 +500,8 @@ class LocalEnvironment(ClusterEnvironment):
 
 # Detection order: the first whose launcher is present wins. `horovodrun` under `srun`
 # sets both, and Horovod's own variables describe the processes that train.
-ENVIRONMENTS = (MPIEnvironment, TFConfigEnvironment, TorchrunEnvironment, SlurmEnvironment,
-                KerasDistributionEnvironment, LocalEnvironment)
+ENVIRONMENTS = (MPIEnvironment, TFConfigEnvironment, TorchrunEnvironment, SlurmEnvironment, TPUSliceEnvironment,
+                KubeflowEnvironment, KerasDistributionEnvironment, LocalEnvironment)
 
 
 def detect(environ: Mapping[str, str]) -> ClusterEnvironment:

@@ -63,8 +63,9 @@ VARIABLES = (
              "parameter servers: split variables of at least this many bytes across the ps tasks"),
     Variable("KERAS_DIST_BIND_ALL", "setting", "0 or 1", "0",
              "1: local TensorFlow and JAX servers listen on all interfaces instead of loopback"),
-    Variable("KERAS_DIST_COORDINATOR_PORT", "setting", "port", "10000 + SLURM job id % 20000",
-             "under srun: the port of the job's coordinator on its first node"),
+    Variable("KERAS_DIST_COORDINATOR_PORT", "setting", "port",
+             "srun: 10000 + job id % 20000; mpirun: from its job id; a TPU slice: 8482",
+             "under srun, Open MPI's mpirun or on a TPU slice: the port of the job's coordinator"),
     Variable("KERAS_DIST_CACHE", "setting", "directory", "~/.cache/keras_dist",
              "where `keras-dist build-horovod` keeps the Horovod wheels it built"),
     # What keras_dist's launcher tells its tasks.

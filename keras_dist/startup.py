@@ -57,7 +57,12 @@ def start() -> None:
     if "tensorflow" not in sys.modules:
         # Before the runtime is built: choosing the backend may import TensorFlow, which reads it once.
         settings.export(console.quiet_tensorflow_variables(chosen.variables, chosen))
-    facts = runtime.get()
+    try:
+        facts = runtime.get()
+    except errors.KerasDistError:
+        # A launcher's or platform's variables that contradict each other: one line per process.
+        errors.uncaught_errors_in_one_line(one_line=not chosen.debug_log)
+        raise
     environment = facts.environment
     variables = {}
     if environment.size > 1:

@@ -153,7 +153,7 @@ class HostBed:
     def _start_sshd(self) -> None:
         """An sshd per host, and an ssh client that logs in anywhere by key; both read
         /etc/ssh, which `ip netns exec` replaces by /etc/netns/NAME/ssh on each host."""
-        _install("openssh-server", "/usr/sbin/sshd")
+        install_debian_package("openssh-server", "/usr/sbin/sshd")
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
         keys = self.root / "keys"
         keys.mkdir()
@@ -185,8 +185,8 @@ class HostBed:
         Each host reads /etc/netns/NAME/slurm as /etc/slurm. slurmd needs the cgroup
         hierarchies, which `ip netns exec` hides under its own /sys: it mounts them again.
         """
-        _install("slurm-wlm", "/usr/sbin/slurmd")
-        _install("munge", "/usr/sbin/munged")
+        install_debian_package("slurm-wlm", "/usr/sbin/slurmd")
+        install_debian_package("munge", "/usr/sbin/munged")
         socket = self.run_dir / "munge.socket"
         for name in ("ctld", *(f"d-{host.name}" for host in self.hosts)):
             (self.run_dir / name).mkdir(parents=True)
@@ -312,7 +312,7 @@ class HostBed:
         return found
 
 
-def _install(package: str, program: str) -> None:
+def install_debian_package(package: str, program: str) -> None:
     """Installs a Debian package the bed needs, on first use (as root, with apt-get)."""
     if Path(program).exists():
         return

@@ -72,7 +72,47 @@ def test_first_host_of_a_slurm_node_list(nodelist, host):
     assert environments.first_host(nodelist) == host
 
 
+def test_the_hosts_of_a_tpu_slice_and_of_several_slices_are_read_from_gkes_variables():
+    slice_hosts = {"TPU_WORKER_HOSTNAMES": "t-0.svc,t-1.svc", "TPU_WORKER_ID": "1"}
+    place = environments.detect(slice_hosts)
+    assert (place.name, place.rank, place.size, place.local_size, place.coordinator) == \
+        ("tpu_slice", 1, 2, 1, "t-0.svc:8482")
+    # Multislice: slice 1's second host is rank 3 of 4; the coordinator is the one named.
+    place = environments.detect({**slice_hosts, "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1",
+                                 "MEGASCALE_COORDINATOR_ADDRESS": "s0-0.svc:8080", "KERAS_DIST_COORDINATOR_PORT": "9"})
+    assert (place.rank, place.size, place.coordinator) == (3, 4, "s0-0.svc:9")
+    assert environments.detect({"TPU_WORKER_ID": "0"}).name == "local"  # a single-host TPU VM: no slice
+
+
+def test_kubeflow_trainjobs_variables_name_the_node_and_the_master():
+    place = environments.detect({"PET_NNODES": "3", "PET_NODE_RANK": "2", "PET_NPROC_PER_NODE": "1",
+                                 "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"})
+    assert (place.name, place.rank, place.size, place.coordinator) == ("kubeflow", 2, 3, "job-node-0-0.job:29400")
+    # Under torchrun (which reads PET_*), torchrun's own variables say more.
+    assert environments.detect({"PET_NNODES": "3", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "1",
+                                "RANK": "5", "WORLD_SIZE": "6", "MASTER_ADDR": "m", "MASTER_PORT": "1"}).name == "torchrun"
+
+
+def test_open_mpis_mpirun_machine_is_the_coordinator_for_jax_and_torch():
+    launched = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_MCA_orte_hnp_uri": "104464384.0;tcp://192.0.2.2,10.0.0.7:37677;tcp6://[fd00::2]:41975"}
+    place = environments.detect(launched)
+    # The same in every process of one mpirun; the port from its job family (104464384 >> 16 = 1594).
+    assert (place.name, place.rank, place.coordinator) == ("mpi", 1, "192.0.2.2:11594")
+    assert environments.detect({**launched, "MASTER_ADDR": "n0", "MASTER_PORT": "5"}).coordinator == "n0:5"
+    assert environments.detect({**launched, "KERAS_DIST_COORDINATOR_PORT": "7"}).coordinator == "192.0.2.2:7"
+    # MPICH names no machine: MASTER_ADDR does, else the strategy's one line asks for it.
+    assert environments.detect({"PMI_RANK": "0", "PMI_SIZE": "2"}).rendezvous() is None
+
+
 @pytest.mark.parametrize("environ, fix", [
+    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "2"}, "TPU_WORKER_ID=2 is past the 2 hosts"),
+    ({"TPU_WORKER_HOSTNAMES": "a", "TPU_WORKER_ID": "0", "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "2"},
+     "MEGASCALE_SLICE_ID=2 is past MEGASCALE_NUM_SLICES=2"),
+    ({"PET_NNODES": "2", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "1"},
+     "PET_NODE_RANK=2 is not one of the PET_NNODES=2 nodes"),
+    ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "1",
+      "PET_NPROC_PER_NODE": "auto"}, "PET_NPROC_PER_NODE='auto'"),
     ({"HOROVOD_RANK": "one"}, "HOROVOD_RANK='one' is not an integer"),
     ({"RANK": "-1", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "rank -1 of 2 processes"),
     ({"TF_CONFIG": "{"}, "TF_CONFIG is not valid JSON"),

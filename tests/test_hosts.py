@@ -114,21 +114,28 @@ def assert_cluster_listeners_only(bed, listeners):
     assert not stray, stray
 
 
-@pytest.mark.parametrize("keras_backend", ["jax", "torch"])
-def test_gloo_across_hosts_named_on_loopback_matches_one_process_at_twice_the_batch(debian_hosts, tmp_path,
-                                                                                     keras_backend):
+@pytest.mark.parametrize("keras_backend, platform", [("jax", "keras_distribution"), ("torch", "torchrun"),
+                                                     ("jax", "tpu_slice")])
+def test_gloo_across_hosts_named_on_loopback_matches_one_process_at_the_global_batch(debian_hosts, tmp_path,
+                                                                                   keras_backend, platform):
     pytest.importorskip(keras_backend)
     bed = debian_hosts
     argv = [PYTHON, WORKER, OUT, "--batch", 8, "--adam"]
-    if keras_backend == "torch":  # torchrun on each machine, as PyTorch documents it
+    if platform == "torchrun":  # torchrun on each machine, as PyTorch documents it
         commands = [[PYTHON, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank", i, "--nproc-per-node", 1,
                      "--master-addr", "node0", "--master-port", 29500, *argv[1:]] for i in range(2)]
         envs = [{"KERAS_BACKEND": "torch"}] * 2
+    elif platform == "tpu_slice":  # GKE's variables on each host of a TPU slice, 2 XLA devices for its chips
+        commands = [argv[:3] + ["--batch", 4, "--adam"]] * 2
+        envs = [{"KERAS_BACKEND": "jax", "TPU_WORKER_HOSTNAMES": "node0,node1", "TPU_WORKER_ID": str(i),
+                 "XLA_FLAGS": "--xla_force_host_platform_device_count=2"} for i in range(2)]
     else:  # the variables `keras.distribution.initialize` reads
         commands = [argv] * 2
         envs = [{"KERAS_BACKEND": "jax", "KERAS_DISTRIBUTION_JOB_ADDRESSES": "node0:29600,node1:29600",
                  "KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": str(i)} for i in range(2)]
-    _, _, listeners = launch_on_hosts(bed, commands, envs)
+    outputs, _, listeners = launch_on_hosts(bed, commands, envs)
+    if platform == "tpu_slice":
+        assert "4 replicas in 2 processes on 2 machines (cluster environment: tpu_slice)" in outputs[0], outputs[0][-3000:]
     expected = reference(tmp_path, keras_backend)
     for result in results(bed):
         assert_trains_like(result, expected)
