@@ -88,3 +88,14 @@ def test_contradicting_platform_variables_end_the_script_in_one_line_naming_the_
     lines = [line for line in output.splitlines() if "KerasDistError" in line]
     assert code != 0 and len(lines) == 1 and named in lines[0], output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+
+
+def test_a_jax_process_started_alone_with_several_devices_trains_as_one_device_at_their_global_batch(tmp_path):
+    # XLA's forced host devices stand in for a Cloud TPU VM's chips; no launcher, no variable.
+    pytest.importorskip("jax")
+    out = tmp_path / "alone"
+    out.mkdir()
+    code, output = run([PYTHON, WORKER, out, "--batch", GLOBAL_BATCH // 4, "--adam"], 300,
+                       env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert code == 0 and "4 replicas in 1 process on 1 machine" in output, output[-3000:]
+    assert_trains_like(results(out, 1)[0], reference(tmp_path, "jax"))

@@ -370,7 +370,7 @@ class JaxDataParallelStrategy(Strategy):
         process's value, without a collective (the chief's restored weights then reach
         the others through keras_dist's broadcast).
         """
-        if self.size == 1 or self._local_depth:
+        if self.num_replicas == 1 or self._local_depth:
             yield
             return
         _localize(_variables_of(model))
