@@ -42,6 +42,7 @@ The last line is a JSON object with every figure.
 import argparse
 import json
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -118,7 +119,8 @@ def launch(bed, model, config, args):
     else:
         commands = [argv]
     base = {**{k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, "TF_CPP_MIN_LOG_LEVEL": "2",
-            "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
+            "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
+            "KERAS_DIST_JOB_SECRET": secrets.token_hex(32)}  # the machines' directory admits the job's alone
     extra = dict(setting.split("=", 1) for setting in args.env)
     processes = [bed.start(host, command, env={**base, **env, **extra}) for host, command in zip(bed.hosts, commands)]
     deadline = time.monotonic() + args.window * args.windows * 4 + 180

@@ -71,13 +71,18 @@ def _launch(args):
     args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
     _require_engine(args.backend)
     from keras_dist.launchers.agent import Job, JobState
-    from keras_dist.launchers.nodes import JobEnded, Nodes, directory
+    from keras_dist.launchers.nodes import JobEnded, Nodes, directory, job_secret
     from keras_dist.launchers.processes import BACKUP_DIR_VARIABLE, ELASTIC_VARIABLE, RESTART_VARIABLE
 
     nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != "1" else None
     if nodes and nodes.elastic and args.backend == "parameter_server":
         raise KerasDistError(f"--nnodes {args.nnodes} (an elastic job) cannot run parameter servers, whose "
                              "workers come and go by themselves; give a fixed --nnodes")
+    # Where the machines meet at the master's directory, each signs its requests there with
+    # the job's secret (torchrun's and JAX's jobs meet at their engine's own coordinator).
+    meets = nodes and (nodes.elastic or _uses_directory(args.backend))
+    if meets:
+        nodes = dataclasses.replace(nodes, secret=job_secret(chosen))
 
     placed = None  # this machine's place in the attempt under way
 
@@ -98,7 +103,7 @@ def _launch(args):
                 task.env[BACKUP_DIR_VARIABLE] = os.path.abspath(args.backup_dir)
         return tasks
 
-    serves = nodes and nodes.rank == 0 and (nodes.elastic or _uses_directory(args.backend))
+    serves = meets and nodes.rank == 0
     grows = (lambda: nodes.grows(placed.attempt)) if nodes and nodes.elastic and nodes.count > 1 else None
     with directory(nodes) if serves else contextlib.nullcontext():
         try:

@@ -68,6 +68,14 @@ VARIABLES = (
              "under srun, Open MPI's mpirun or on a TPU slice: the port of the job's coordinator"),
     Variable("KERAS_DIST_CACHE", "setting", "directory", "~/.cache/keras_dist",
              "where `keras-dist build-horovod` keeps the Horovod wheels it built"),
+    Variable("KERAS_DIST_JOB_SECRET", "setting", "text", "none",
+             "the job's secret, the same on every machine: `keras-dist launch --nnodes` signs and checks every request "
+             "to the master's directory with it (see security.md)"),
+    Variable("KERAS_DIST_JOB_SECRET_FILE", "setting", "file", "none",
+             "a file holding the job's secret instead, which only its owner may read (chmod 600)"),
+    Variable("KERAS_DIST_INSECURE_DIRECTORY", "setting", "0 or 1", "0",
+             "1: `keras-dist launch --nnodes` runs without a secret; anyone who reaches the master's port can then "
+             "change the job's addresses: unsafe on a shared network"),
     # What keras_dist's launcher tells its tasks.
     Variable("KERAS_DIST_RESTART", "launcher", "count", "0",
              "which restart of the job (`keras-dist launch --max-restarts`) this task belongs to"),
@@ -152,6 +160,10 @@ class Settings:
     tpu: str | None = None
     min_shard_bytes: int | None = None
     bind_all: bool = False
+    # Never in a repr: a settings object may be logged, and the secret must not show.
+    job_secret: str | None = dataclasses.field(default=None, repr=False)
+    job_secret_file: str | None = None
+    insecure_directory: bool = False
     restart: int = 0
     elastic: bool = False
     # The environment the settings were read from, read-only (the process's, live, for
@@ -168,6 +180,30 @@ class Settings:
                 values[field] = parse(name, text)
         return cls(**values, variables=types.MappingProxyType(environ))
 
+    def directory_secret(self) -> bytes | None:
+        """The job's secret (`KERAS_DIST_JOB_SECRET`, or the file `KERAS_DIST_JOB_SECRET_FILE`),
+        None where neither is set. Read only where a launcher needs it: a bad file stops that
+        launcher, in one line, and not every task that inherits the variable."""
+        if self.job_secret_file is None:
+            return None if self.job_secret is None else self.job_secret.encode()
+        if self.job_secret is not None:
+            raise KerasDistError("set KERAS_DIST_JOB_SECRET or KERAS_DIST_JOB_SECRET_FILE, not both")
+        path = self.job_secret_file
+        try:
+            with open(path, "rb") as file:
+                # The mode of the file opened, not of one put in its place after a check.
+                mode = os.fstat(file.fileno()).st_mode
+                if mode & 0o077:
+                    raise KerasDistError(f"KERAS_DIST_JOB_SECRET_FILE={path!r} may be read by its group or others "
+                                         f"(mode {mode & 0o777:o}); chmod 600 it")
+                secret = file.read().strip()
+        except OSError as exc:
+            raise KerasDistError(f"KERAS_DIST_JOB_SECRET_FILE={path!r} cannot be read ({exc.strerror}); "
+                                 "fix it or unset it") from None
+        if not secret:
+            raise KerasDistError(f"KERAS_DIST_JOB_SECRET_FILE={path!r} is empty; write the job's secret in it")
+        return secret
+
 
 _READERS = {
     "backend": ("KERAS_DIST_BACKEND", _text),
@@ -180,6 +216,9 @@ _READERS = {
     "tpu": ("KERAS_DIST_TPU", _text),
     "min_shard_bytes": ("KERAS_DIST_MIN_SHARD_BYTES", _number(int, 1)),
     "bind_all": ("KERAS_DIST_BIND_ALL", _flag),
+    "job_secret": ("KERAS_DIST_JOB_SECRET", _text),
+    "job_secret_file": ("KERAS_DIST_JOB_SECRET_FILE", _text),
+    "insecure_directory": ("KERAS_DIST_INSECURE_DIRECTORY", _flag),
     "restart": ("KERAS_DIST_RESTART", _number(int, 0)),
     "elastic": ("KERAS_DIST_ELASTIC", _flag),
 }

@@ -20,6 +20,8 @@ BIN = Path(PYTHON).parent
 
 # Workers log nothing from TensorFlow's C++ side; keep failures readable.
 QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "KERAS_DIST_BACKEND": ""}
+# The job's secret of the tests' `keras-dist launch --nnodes` (every machine's the same).
+JOB_SECRET = "keras-dist-tests-job-secret"
 
 
 def selected_backend(environ, requested=None):

@@ -16,7 +16,7 @@ from keras_dist.errors import KerasDistError
 from keras_dist.environments import LocalEnvironment
 from keras_dist.settings import Settings
 
-from runner import BIN, PYTHON, ROOT, run, selected_backend
+from runner import BIN, JOB_SECRET, PYTHON, ROOT, run, selected_backend
 
 
 def small_model():
@@ -176,7 +176,8 @@ def test_an_elastic_job_says_at_the_start_of_fit_when_its_input_cannot_resume_on
                       f"model.fit({data}, epochs=1, verbose=0)\n")
     port = free_ports(1)[0]
     code, out = run([BIN / "keras-dist", "launch", "--backend", "torch", "-n", 2, "--nnodes", "1:2", "--node-rank", 0,
-                     "--master-addr", f"127.0.0.1:{port}", script], timeout=240)
+                     "--master-addr", f"127.0.0.1:{port}", script], timeout=240,
+                    env={"KERAS_DIST_JOB_SECRET": JOB_SECRET})
     assert code == 0 and "attempt 0: 1 of 2 machines (node ranks 0)" in out, out[-3000:]
     warned = out.count("this elastic job (--nnodes MIN:MAX) cannot resume this fit on another number of processes")
     assert warned == said, out[-3000:]

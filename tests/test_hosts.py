@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from runner import BIN, PYTHON, QUIET_ENV, WORKERS, assert_trains_like, run
-from hostbed import HostBed, HostBedError
+from runner import BIN, JOB_SECRET, PYTHON, QUIET_ENV, WORKERS, assert_trains_like, run
+from hostbed import HostBed, HostBedError, install_debian_package
 
 pytestmark = pytest.mark.timeout(600)
 WORKER = WORKERS / "any_backend_worker.py"
@@ -66,7 +66,8 @@ def reference(tmp_path, keras_backend, *options):
 def start_on_hosts(bed, commands, envs, hosts=None):
     """Starts commands[i] on host i (of `hosts`, default all), each in its own /tmp/out; returns their processes."""
     base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    return [bed.start(host, ["sh", "-c", f'mkdir -p {OUT} && exec "$@"', "sh", *command], env={**base, **QUIET_ENV, **env})
+    job = {**base, **QUIET_ENV, "KERAS_DIST_JOB_SECRET": JOB_SECRET}  # the directory admits the job's machines alone
+    return [bed.start(host, ["sh", "-c", f'mkdir -p {OUT} && exec "$@"', "sh", *command], env={**job, **env})
             for host, command, env in zip(hosts or bed.hosts, commands, envs)]
 
 
@@ -153,6 +154,24 @@ def test_horovodrun_over_ssh_across_hosts_named_on_loopback_matches_one_process_
     command = [BIN / "horovodrun", "-np", 2, "-H", "node0:1,node1:1", "--gloo", "sh", "-c", script]
     launch_on_hosts(bed, [command], [{"KERAS_BACKEND": "tensorflow"}])
     expected = reference(tmp_path, "tensorflow")
+    for result in results(bed):
+        assert_trains_like(result, expected)
+
+
+def test_mpirun_over_ssh_across_hosts_matches_one_process_at_the_global_batch(ssh_hosts, tmp_path):
+    """Open MPI's `mpirun -H` from the first host, which starts the other rank over ssh, with
+    no launcher of keras_dist's: the coordinator for JAX is on `mpirun`'s machine."""
+    try:
+        install_debian_package("openmpi-bin", "/usr/bin/mpirun")
+    except HostBedError as exc:
+        pytest.skip(str(exc))
+    bed = ssh_hosts
+    script = f"mkdir -p {OUT} && exec {PYTHON} {WORKER} {OUT} --batch 8 --adam"
+    command = ["mpirun", "--allow-run-as-root", "-np", 2, "-H", "node0:1,node1:1", "--bind-to", "none",
+               *(word for name in ("KERAS_BACKEND", *QUIET_ENV) for word in ("-x", name)), "sh", "-c", script]
+    outputs, _, listeners = launch_on_hosts(bed, [command], [{"KERAS_BACKEND": "jax"}])
+    assert "2 replicas in 2 processes on 2 machines (cluster environment: mpi)" in outputs[0], outputs[0][-3000:]
+    expected = reference(tmp_path, "jax")
     for result in results(bed):
         assert_trains_like(result, expected)
 

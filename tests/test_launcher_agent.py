@@ -2,6 +2,7 @@
 real short-lived processes: each task is a Python one-liner whose exit depends on the
 attempt. The end-to-end runs of the same policy are in test_api.py and test_resume.py."""
 
+import dataclasses
 import io
 import os
 import signal
@@ -13,6 +14,7 @@ import pytest
 
 from keras_dist.launchers.agent import Job, JobState
 from keras_dist.launchers.base import Task
+from runner import JOB_SECRET
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,7 +117,7 @@ def test_a_machine_back_after_an_elastic_job_went_on_without_it_joins_the_next_a
 
     monkeypatch.setattr(nodes, "ELASTIC_WAIT_SECONDS", 0.5)
     address = f"127.0.0.1:{free_ports(1)[0]}"
-    master, returning = (nodes.Nodes.parse("1:2", rank, address) for rank in (0, 1))
+    master, returning = (_machine(nodes, rank, address) for rank in (0, 1))
     with nodes.directory(master):
         assert master.assemble(0).count == 1
         assert master.grows(0) is None
@@ -139,8 +141,13 @@ def test_a_machine_back_after_an_elastic_job_went_on_without_it_joins_the_next_a
     assert joined["late"] == f"the job at {address} ended before this machine (node rank 1) could join it"
 
 
+def _machine(nodes, rank, address):
+    """Machine `rank` of an elastic job of 1 to 2 machines, with the job's secret."""
+    return dataclasses.replace(nodes.Nodes.parse("1:2", rank, address), secret=JOB_SECRET.encode())
+
+
 def _ended_before_joining(nodes, address):
     try:
-        nodes.Nodes.parse("1:2", 1, address).assemble(0)
+        _machine(nodes, 1, address).assemble(0)
     except nodes.JobEnded as ended:
         return str(ended)

@@ -35,10 +35,35 @@ def test_settings_are_read_from_a_mapping_with_their_defaults():
             chosen.restart, chosen.backend) == (5.0, True, True, False, 300.0, 2, "jax")
 
 
+def test_the_job_secret_is_read_from_the_environment_or_a_file_its_owner_alone_may_read(tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("s3cret\n")
+    secret_file.chmod(0o600)
+    assert Settings.from_environ({}).directory_secret() is None
+    assert Settings.from_environ({"KERAS_DIST_JOB_SECRET": "abc"}).directory_secret() == b"abc"
+    assert Settings.from_environ({"KERAS_DIST_JOB_SECRET_FILE": str(secret_file)}).directory_secret() == b"s3cret"
+    assert "abc" not in repr(Settings.from_environ({"KERAS_DIST_JOB_SECRET": "abc"}))
+    refused = {0o640: "may be read by its group or others (mode 640); chmod 600 it",
+               0o604: "may be read by its group or others (mode 604); chmod 600 it"}
+    for mode, said in refused.items():
+        secret_file.chmod(mode)
+        with pytest.raises(KerasDistError, match=re.escape(f"KERAS_DIST_JOB_SECRET_FILE='{secret_file}' {said}")):
+            Settings.from_environ({"KERAS_DIST_JOB_SECRET_FILE": str(secret_file)}).directory_secret()
+    secret_file.chmod(0o600)
+    with pytest.raises(KerasDistError, match="set KERAS_DIST_JOB_SECRET or KERAS_DIST_JOB_SECRET_FILE, not both"):
+        Settings.from_environ({"KERAS_DIST_JOB_SECRET": "abc",
+                               "KERAS_DIST_JOB_SECRET_FILE": str(secret_file)}).directory_secret()
+    with pytest.raises(KerasDistError, match="cannot be read \\(No such file or directory\\)"):
+        Settings.from_environ({"KERAS_DIST_JOB_SECRET_FILE": str(tmp_path / "none")}).directory_secret()
+    secret_file.write_text("\n")
+    with pytest.raises(KerasDistError, match="is empty"):
+        Settings.from_environ({"KERAS_DIST_JOB_SECRET_FILE": str(secret_file)}).directory_secret()
+
+
 @pytest.mark.parametrize("name, value", [
     ("KERAS_DIST_STEP_TIMEOUT", "soon"), ("KERAS_DIST_STEP_TIMEOUT", "0"), ("KERAS_DIST_BUCKET_BYTES", "25MB"),
     ("KERAS_DIST_BACKUP_SECONDS", "-1"), ("KERAS_DIST_SLURM_REQUEUE", "no"), ("KERAS_DIST_BIND_ALL", "true"),
-    ("KERAS_DIST_MIN_SHARD_BYTES", "0"), ("KERAS_DIST_RESTART", "x"),
+    ("KERAS_DIST_MIN_SHARD_BYTES", "0"), ("KERAS_DIST_RESTART", "x"), ("KERAS_DIST_INSECURE_DIRECTORY", "yes"),
 ])
 def test_a_bad_value_is_a_one_line_error_naming_the_variable(name, value):
     with pytest.raises(KerasDistError, match=f"^{name}='{value}'") as error:

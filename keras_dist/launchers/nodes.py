@@ -14,13 +14,23 @@ address (their coordinator, or torchrun's store, runs there). A `TF_CONFIG` name
 task's address, which no machine knows of the others: machine 0's launcher serves a
 small directory at the master's address, where each machine's launcher publishes its
 address and ports and reads everyone's (`Nodes.exchange`), as torchrun's c10d store does.
+
+The directory admits the job's machines only: each signs every request with the job's
+secret (`KERAS_DIST_JOB_SECRET`, the same on every machine), over its method, path, body,
+time and a nonce used once (`_signature`); the directory answers 403 to any other request,
+and signs its replies, so that a machine knows the master answered (docs/security.md).
 """
 
+import collections
 import contextlib
 import dataclasses
+import hashlib
+import heapq
+import hmac
 import json
 import logging
 import re
+import secrets
 import threading
 import time
 import urllib.error
@@ -31,6 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from keras_dist import network
 from keras_dist.errors import KerasDistError
+from keras_dist.settings import Settings
 
 logger = logging.getLogger("keras_dist")
 
@@ -62,6 +73,8 @@ class Nodes:
         attempt: how many times the job has been restarted (`--max-restarts`).
         min_count: the fewest machines an elastic job (`--nnodes MIN:MAX`) runs on; `count`
             is then the most.
+        secret: the job's secret (`job_secret`), which signs every request to the
+            directory and its replies; None: unsigned (`KERAS_DIST_INSECURE_DIRECTORY=1`).
     """
 
     count: int
@@ -70,6 +83,7 @@ class Nodes:
     port: int = DEFAULT_PORT
     attempt: int = 0
     min_count: int | None = None
+    secret: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def parse(cls, count: int | str, rank: int, master: str | None) -> "Nodes":
@@ -213,12 +227,35 @@ class Nodes:
     def _publish(self, key: str, value: object) -> dict:
         """Puts this machine's `value` under `key` in machine 0's directory; returns every
         machine's there, by rank (as text)."""
-        body = json.dumps(value).encode()
-        _DIRECT.open(urllib.request.Request(f"{self._directory}/{key}/{self.rank}", data=body, method="PUT"), timeout=10)
+        self._request(f"/{key}/{self.rank}", json.dumps(value).encode())
         return self._read(key)
 
     def _read(self, key: str) -> dict:
-        return json.loads(_DIRECT.open(f"{self._directory}/{key}", timeout=10).read())
+        return json.loads(self._request(f"/{key}"))
+
+    def _request(self, path: str, body: bytes | None = None) -> bytes:
+        """The directory's answer to a GET of `path` (a PUT of `body`), signed with the job's
+        secret where there is one; a refusal, or an answer not signed with it, is a one-line error."""
+        method = "GET" if body is None else "PUT"
+        headers = {}
+        if self.secret is not None:
+            stamp, nonce = str(int(time.time())), secrets.token_hex(16)
+            headers = {TIME_HEADER: stamp, NONCE_HEADER: nonce,
+                       MAC_HEADER: _signature(self.secret, method, path, stamp, nonce, body or b"")}
+        request = urllib.request.Request(self._directory + path, data=body, headers=headers, method=method)
+        try:
+            with _DIRECT.open(request, timeout=10) as reply:
+                answer, mac = reply.read(), reply.headers.get(MAC_HEADER)
+        except urllib.error.HTTPError as error:
+            if error.code != 403:
+                raise
+            raise KerasDistError(f"the directory at {self.master_address} refused this machine's request: set the "
+                                 "same KERAS_DIST_JOB_SECRET (or KERAS_DIST_JOB_SECRET_FILE) on every machine of the "
+                                 f"job, and keep their clocks within {WINDOW_SECONDS:g} s") from None
+        if self.secret is not None and not _signed(mac, self.secret, "reply", headers[MAC_HEADER], answer):
+            raise KerasDistError(f"{self.master_address} answered without the job's secret: another job, or "
+                                 "someone else, serves at that port; check --master-addr and KERAS_DIST_JOB_SECRET")
+        return answer
 
     @property
     def _directory(self) -> str:
@@ -228,6 +265,44 @@ class Nodes:
 
 # The directory is on the cluster's own network: never through a proxy.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+# A signed request's headers: when it was made (Unix seconds), a random value sent once,
+# and the signature of both with the request's method, path and body.
+TIME_HEADER, NONCE_HEADER, MAC_HEADER = "X-Keras-Dist-Time", "X-Keras-Dist-Nonce", "X-Keras-Dist-Mac"
+# Seconds a request's time may be from the directory's: long enough for machines' clocks
+# that NTP keeps, short enough that the nonces seen within it are few to remember.
+WINDOW_SECONDS = 60.0
+_STAMP = re.compile(r"[0-9]{1,12}")
+_NONCE = re.compile(r"[0-9a-f]{32}")
+
+
+def _signature(secret: bytes, *parts: str | bytes) -> str:
+    """HMAC-SHA256 of `parts`, one a line: none but the last (a body) holds a newline, so
+    no two requests share a signed text."""
+    text = b"\n".join(part.encode() if isinstance(part, str) else part for part in parts)
+    return hmac.new(secret, text, hashlib.sha256).hexdigest()
+
+
+def _signed(mac: str | None, secret: bytes, *parts: str | bytes) -> bool:
+    """Whether `mac` (a header's, maybe missing) is the signature of `parts`, compared in
+    constant time."""
+    return mac is not None and mac.isascii() and hmac.compare_digest(mac, _signature(secret, *parts))
+
+
+def job_secret(chosen: Settings) -> bytes | None:
+    """The secret this machine's launcher signs and checks the directory's requests with.
+    Without one the job stops in one line, unless the user opted out
+    (`KERAS_DIST_INSECURE_DIRECTORY=1`): then None, said once."""
+    secret = chosen.directory_secret()
+    if secret is None and not chosen.insecure_directory:
+        raise KerasDistError("a job on several machines needs a secret, the same on each, to sign the requests to "
+                             "the master's directory: set KERAS_DIST_JOB_SECRET (e.g. to the output of `python -c "
+                             "'import secrets; print(secrets.token_hex(32))'`) or KERAS_DIST_JOB_SECRET_FILE "
+                             "(a file of mode 600) on every machine")
+    if secret is None:
+        logger.warning("keras_dist: KERAS_DIST_INSECURE_DIRECTORY=1: the master's directory admits anyone who "
+                       "reaches its port, unsafe on a shared network")
+    return secret
 
 
 @contextlib.contextmanager
@@ -258,6 +333,10 @@ _PATH = re.compile(r"/([A-Za-z0-9_-]{1,64})(?:/([0-9]{1,6}))?")
 def _serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
     entries = {}
     lock = threading.Lock()
+    # The nonces of the requests admitted within the window, and (time, nonce) by time, to
+    # forget each once its time is out of the window, when no request can bring it again.
+    nonces, by_time = set(), []
+    refused = collections.Counter()  # by client address
 
     class Directory(BaseHTTPRequestHandler):
         timeout = REQUEST_SECONDS
@@ -276,6 +355,8 @@ def _serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
             except OSError:  # the client stalled past REQUEST_SECONDS, or left
                 self.close_connection = True
                 return
+            if self._refused("PUT", body):
+                return
             try:
                 value = json.loads(body)
             except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
@@ -288,8 +369,40 @@ def _serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
             match = _PATH.fullmatch(self.path)
             if not match or match[2] is not None:
                 return self.send_error(404)
+            if self._refused("GET", b""):
+                return
             with lock:
                 self._reply(json.dumps(entries.get(match[1], {})).encode())
+
+        def _refused(self, method, body):
+            """Whether the request is not the job's (answered 403): not signed with its secret,
+            made out of the window, or a replay of one admitted."""
+            if nodes.secret is None:
+                return False
+            stamp, nonce = self.headers.get(TIME_HEADER, ""), self.headers.get(NONCE_HEADER, "")
+            reason = None
+            if not (_STAMP.fullmatch(stamp) and _NONCE.fullmatch(nonce)
+                    and _signed(self.headers.get(MAC_HEADER), nodes.secret, method, self.path, stamp, nonce, body)):
+                reason = "without the job's secret"
+            elif abs(time.time() - int(stamp)) > WINDOW_SECONDS:
+                reason = f"made over {WINDOW_SECONDS:g} s from this machine's time (a replay, or clocks apart)"
+            address = self.client_address[0]
+            with lock:
+                while by_time and by_time[0][0] < time.time() - WINDOW_SECONDS:
+                    nonces.discard(heapq.heappop(by_time)[1])
+                if reason is None and nonce in nonces:
+                    reason = "replaying one already made"
+                if reason is None:
+                    nonces.add(nonce)
+                    heapq.heappush(by_time, (int(stamp), nonce))
+                    return False
+                refused[address] += 1
+                first, total = refused[address] == 1, refused.total()
+            if first:  # once per address: a stranger's retries must not flood the job's output
+                logger.warning("keras_dist: refused a request from %s %s (%d so far); every machine of the job "
+                               "needs the same KERAS_DIST_JOB_SECRET", address, reason, total)
+            self.send_error(403)
+            return True
 
         def __getattr__(self, name):
             # Any other method is refused with 405, not http.server's 501.
@@ -304,6 +417,8 @@ def _serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
         def _reply(self, body):
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
+            if nodes.secret is not None:  # the machine knows the master answered, to this request
+                self.send_header(MAC_HEADER, _signature(nodes.secret, "reply", self.headers[MAC_HEADER], body))
             self.end_headers()
             self.wfile.write(body)
 

@@ -38,6 +38,8 @@ ELASTIC_VARIABLE = "KERAS_DIST_ELASTIC"
 # Where `keras-dist launch --backup-dir` backs up every fit of an unchanged script
 # (`keras_dist.fault_tolerance.resume.automatic_backup`).
 BACKUP_DIR_VARIABLE = "KERAS_DIST_BACKUP_DIR"
+# The job's secret (`keras_dist.launchers.nodes.job_secret`), kept from the tasks.
+SECRET_VARIABLE = "KERAS_DIST_JOB_SECRET"
 # The signals of a preemption notice (SLURM's `--signal` often uses SIGUSR1): the launcher
 # passes them on, and `keras_dist.fault_tolerance.preemption` saves and stops at them.
 NOTICE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
@@ -100,7 +102,9 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
     inherited = sorted(k for k in os.environ if k.startswith(_CLUSTER_VARIABLES))
     if inherited:
         out.write(f"[keras-dist] ignoring {', '.join(inherited)} from the shell: each task gets its own\n")
-    base = {k: v for k, v in os.environ.items() if k not in inherited}
+    # The job's secret is its launchers' alone: no task needs it, and one that logs its
+    # environment would show it.
+    base = {k: v for k, v in os.environ.items() if k not in inherited and k != SECRET_VARIABLE}
     chosen = settings.Settings.from_environ(base)
     base.update(console.quiet_tensorflow_variables(base, chosen))
     quiet = not chosen.debug_log
