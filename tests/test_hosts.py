@@ -19,10 +19,19 @@ import pytest
 
 from runner import BIN, JOB_SECRET, PYTHON, QUIET_ENV, WORKERS, assert_trains_like, run
 from hostbed import HostBed, HostBedError, install_debian_package
+from keras_dist.launchers.nodes import DEFAULT_PORT
 
 pytestmark = pytest.mark.timeout(600)
 WORKER = WORKERS / "any_backend_worker.py"
 OUT = "/tmp/out"  # on each host's own /tmp
+# A request to a directory without the job's secret, as an outsider sends it; prints the HTTP status.
+OUTSIDER = """import sys, urllib.error, urllib.request
+request = urllib.request.Request(sys.argv[1], data=b'{"address": "10.66.6.6"}', method="PUT")
+try:
+    print(urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10).status)
+except urllib.error.HTTPError as error:
+    print(error.code)
+"""
 
 
 def hosts(count, **options):
@@ -384,11 +393,16 @@ def test_an_elastic_job_goes_on_with_the_host_that_remains_and_grows_when_it_ret
         assert time.monotonic() < deadline and processes[0].poll() is None, bed.output(processes[0])
         time.sleep(0.05)
     bed.kill(bed.hosts[1])  # a frozen host is restarted too
+    # Meanwhile a machine without the job's secret asks for the lost host's place: refused.
+    outsider = bed.run(bed.hosts[1], [PYTHON, "-c", OUTSIDER, f"http://node0:{DEFAULT_PORT}/0/1"])
+    assert outsider.stdout.strip() == "403", outsider.stdout + outsider.stderr
     returned = start_on_hosts(bed, [commands[1]], envs, hosts=[bed.hosts[1]])[0]
     wait_for_the_end(bed, [processes[0], returned], timeout=240)
     out = bed.output(processes[0])
     assert processes[0].returncode == 0 and returned.returncode == 0, out[-4000:] + bed.output(returned)[-4000:]
     assert "attempt 0: 2 of 2 machines (node ranks 0, 1)" in out, out[-4000:]
+    refused = [line for line in out.splitlines() if "refused a request from" in line]
+    assert len(refused) == 1 and f"from {bed.hosts[1].address} without the job's secret" in refused[0], out[-4000:]
     assert "attempt 1: 1 of 2 machines (node ranks 0)" in out and "restart 1 of 1" in out, out[-4000:]
     assert "the backup was written by 2 processes, this run has 1" in out, out[-4000:]
     assert "cannot resume this fit on another number" not in out
