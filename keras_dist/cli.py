@@ -1,8 +1,6 @@
 """The `keras-dist` command: `launch` a script on this machine or several, show `info`, or `build-horovod`."""
 
 import argparse
-import contextlib
-import dataclasses
 import importlib.util
 import json
 import os
@@ -70,58 +68,21 @@ def _launch(args):
     keras_backend = _require_keras_backend()
     args.backend = args.backend or (keras_backend if keras_backend in ("jax", "torch") else "horovod")
     _require_engine(args.backend)
-    from keras_dist.launchers.agent import Job, JobState
-    from keras_dist.launchers.nodes import JobEnded, Nodes, directory, job_secret
-    from keras_dist.launchers.processes import BACKUP_DIR_VARIABLE, ELASTIC_VARIABLE, RESTART_VARIABLE
+    from keras_dist.launchers import EXCHANGING
+    from keras_dist.launchers.launch import run_job
+    from keras_dist.launchers.nodes import Nodes
 
     nodes = Nodes.parse(args.nnodes, args.node_rank, args.master_addr) if args.nnodes != "1" else None
     if nodes and nodes.elastic and args.backend == "parameter_server":
         raise KerasDistError(f"--nnodes {args.nnodes} (an elastic job) cannot run parameter servers, whose "
                              "workers come and go by themselves; give a fixed --nnodes")
-    # Where the machines meet at the master's directory, each signs its requests there with
-    # the job's secret (torchrun's and JAX's jobs meet at their engine's own coordinator).
-    meets = nodes and (nodes.elastic or _uses_directory(args.backend))
-    if meets:
-        nodes = dataclasses.replace(nodes, secret=job_secret(chosen))
-
-    placed = None  # this machine's place in the attempt under way
-
-    def tasks_for(attempt):
-        nonlocal placed
-        if nodes:
-            # An elastic job's machine may join late: its attempts are the master's.
-            placed = (nodes.assemble(attempt, moves_port=not _uses_directory(args.backend)) if nodes.elastic
-                      else dataclasses.replace(nodes, attempt=attempt))
-            attempt = placed.attempt
-        tasks = strategies.local_cluster(args.backend, args.num_workers, args.ps, [args.script, *args.script_args],
-                                         placed if placed and placed.count > 1 else None)
-        for task in tasks:
-            task.env[RESTART_VARIABLE] = str(attempt)
-            if nodes and nodes.elastic:
-                task.env[ELASTIC_VARIABLE] = "1"
-            if args.backup_dir:
-                task.env[BACKUP_DIR_VARIABLE] = os.path.abspath(args.backup_dir)
-        return tasks
-
-    serves = meets and nodes.rank == 0
-    grows = (lambda: nodes.grows(placed.attempt)) if nodes and nodes.elastic and nodes.count > 1 else None
-    with directory(nodes) if serves else contextlib.nullcontext():
-        try:
-            result = Job(tasks_for, args.max_restarts, args.grace_period, grows=grows).run()
-        except JobEnded as ended:
-            print(f"[keras-dist] {ended}", flush=True)
-            return 0
-    if result.state is JobState.FAILED and args.max_restarts:
-        print(f"[keras-dist] {result.describe()}", flush=True)
-    return result.exit_code
-
-
-
-def _uses_directory(backend):
-    """Whether the backend's machines must learn each other's addresses (TF_CONFIG, Horovod), not just the master's."""
-    from keras_dist.launchers import EXCHANGING
-
-    return strategies.launcher_of(backend) in EXCHANGING
+    argv = [args.script, *args.script_args]
+    outcome = run_job(lambda placed: strategies.local_cluster(args.backend, args.num_workers, args.ps, argv, placed),
+                      chosen, nodes=nodes, exchanges=strategies.launcher_of(args.backend) in EXCHANGING,
+                      max_restarts=args.max_restarts, grace_period=args.grace_period, backup_dir=args.backup_dir)
+    if outcome.report:
+        print(f"[keras-dist] {outcome.report}", flush=True)
+    return outcome.exit_code
 
 
 def _info(args):

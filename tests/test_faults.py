@@ -98,10 +98,12 @@ def test_a_crash_between_the_backups_renames_resumes_from_a_consistent_state(tmp
 
 
 def _job_pids(directory, count, deadline):
-    while len(glob.glob(str(directory / "pid.*"))) < count:
+    # A task's file exists from its open, before its pid is written: wait for every pid.
+    written = [(directory / f"pid.{rank}") for rank in range(count)]
+    while not all(path.exists() and path.read_text().strip() for path in written):
         assert time.monotonic() < deadline, "the tasks did not start"
         time.sleep(0.2)
-    return [int((directory / f"pid.{rank}").read_text()) for rank in range(count)]
+    return [int(path.read_text()) for path in written]
 
 
 def _alive(pid):
