@@ -1,9 +1,11 @@
-"""Every private Keras name keras_dist uses (`keras.src`), and why it has no public one.
+"""Every private Keras name keras_dist uses (`keras.src`, `_attributes`), and why it has no public one.
 
-This is the only place keras_dist touches `keras.src`; every name here has a canary in
-tests/test_keras_internals.py, which names the Keras internal that moved and what in
-keras_dist depends on it, and a test there fails if another module of keras_dist reaches
-into `keras.src`. setup.cfg's Keras range is the one these were tested on.
+This is the only place keras_dist touches `keras.src` or a Keras object's private attribute
+(besides the name of a method that `keras_dist.overrides` replaces on one object); every
+function here has a canary in tests/test_keras_internals.py, which names the Keras internal
+that moved and what in keras_dist depends on it, and tests/test_house.py fails if another
+module of keras_dist uses a private Keras name. setup.cfg's Keras range is the one these
+were tested on.
 
 Nothing is imported here before it is used: `import keras_dist` imports no Keras for the
 `keras-dist` command, and the TensorFlow trainer's names are imported only under the
@@ -37,6 +39,27 @@ def tensorflow_trainer() -> type:
     return getattr(trainer, "TensorFlowTrainer", None) or trainer.Trainer
 
 
+def step_function_maker(model: Any) -> Any:
+    """The TF trainer's `_make_function` of `model` (bound), which makes the train, test or predict function of a step, and which keras_workarounds wrap; private method."""
+    return model._make_function
+
+
+def set_distribute_strategy(model: Any, strategy: Any) -> None:
+    """Makes a TF-backend model run its steps under `strategy` (`_distribute_strategy`, which Keras sets when a model is made under a scope), for a model made outside one; private attribute."""
+    # Not `setattr`: Keras's layer tracking would take the strategy for state.
+    object.__setattr__(model, "_distribute_strategy", strategy)
+
+
+def tf_distributed_update(optimizer: Any) -> Any:
+    """A TF-backend optimizer's `_distributed_tf_update_step` (bound), which applies the gradients through `strategy.extended.update` and which keras_workarounds wrap for sharded variables; private method."""
+    return optimizer._distributed_tf_update_step
+
+
+def set_optimizer_strategy(optimizer: Any, strategy: Any) -> None:
+    """Makes a TF-backend optimizer create and update its variables under `strategy` (`_distribution_strategy`, the strategy current when it was made); private attribute."""
+    optimizer._distribution_strategy = strategy
+
+
 # --- trainers, optimizers, losses ------------------------------------------------------------
 
 
@@ -62,6 +85,21 @@ def metrics_in_order(model: Any, logs: dict) -> Any:
     return model._flatten_metrics_in_order(logs)
 
 
+def call_has_training_argument(model: Any) -> bool:
+    """Whether `model.call` takes `training` (`_call_has_training_arg`; Keras's train_step passes it then), which keras_workarounds' step over shards follows; private attribute."""
+    return model._call_has_training_arg
+
+
+def compute_loss(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any = None, training: bool = True) -> Any:
+    """The loss as Keras's train_step computes it (`_compute_loss`: the model's `compute_loss`, with `training` where that takes it), for keras_workarounds' step over shards; private method."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def loss_tracker(model: Any) -> Any:
+    """The `Mean` metric in which Keras's train_step records the loss (`_loss_tracker`, the `loss` log), for keras_workarounds' step over shards; private attribute."""
+    return model._loss_tracker
+
+
 def base_metrics_result(model: Any) -> dict:
     """The metric results of `model`'s own states, by Keras's trainer mixin: 3.16's torch trainer overrides `get_metrics_result` to all-reduce them in every step (keras#23316), which keras_workarounds_torch turns off; no public name."""
     return trainer_mixin().get_metrics_result(model)
@@ -80,6 +118,17 @@ def base_optimizer() -> type:
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
     return BaseOptimizer
+
+
+def gradient_clipper(optimizer: Any) -> Any:
+    """An optimizer's `_clip_gradients` (bound), which its `apply` runs on the gradients before the update, and which keras_dist.optimizer_hooks wraps to reduce them across processes first; private method."""
+    return optimizer._clip_gradients
+
+
+def reindex_optimizer_variables(optimizer: Any) -> None:
+    """Rebuilds a built optimizer's index of the variables it updates (`_trainable_variables_indices`, keyed by `_var_key`: under TensorFlow the backing tf.Variable), after keras_dist replaced their tf.Variables; private attributes."""
+    optimizer._trainable_variables_indices = {optimizer._var_key(v): i
+                                              for i, v in enumerate(optimizer._trainable_variables)}
 
 
 def unscale_loss_for_distribution(value: Any) -> Any:
@@ -178,6 +227,69 @@ def train_validation_split(arrays: Any, validation_split: float) -> tuple[Any, A
     return array_slicing.train_validation_split(arrays, validation_split=validation_split)
 
 
+# --- variables (keras.src.backend.common.variables.Variable and each backend's) ----------------
+
+
+def variable_value(variable: Any) -> Any:
+    """The backend's value behind a Keras variable (`_value`: a tf.Variable under TensorFlow, a jax.Array under JAX; None before it is made, or for an object that is no Keras variable), which keras_dist moves, shards and places; private attribute."""
+    return getattr(variable, "_value", None)
+
+
+def initialize_variable(variable: Any, value: Any, trainable: bool | None = None) -> None:
+    """Creates the backend's value of a Keras variable anew from `value`, in the current scope (`_initialize`); under TensorFlow the tf.Variable is made `trainable` where given, the Keras flag it is otherwise made with (`_trainable`) kept as it is; private method and attribute."""
+    if trainable is None:
+        variable._initialize(value)
+        return
+    keras_trainable, variable._trainable = variable._trainable, trainable
+    try:
+        variable._initialize(value)
+    finally:
+        variable._trainable = keras_trainable
+
+
+def set_variable_aggregation(variable: Any, aggregation: str) -> None:
+    """Sets how tf.distribute aggregates a Keras variable's updates (`_aggregation`, which its next tf.Variable is made with; the public `aggregation` is read-only); private attribute."""
+    variable._aggregation = aggregation
+
+
+def jax_sharding(variable: Any) -> Any:
+    """The jax sharding of a JAX variable's layout (`_layout`, asked of the current distribution by `_initialize_layout` where it has none; None without a distribution), by which keras_dist's JAX strategy places it without a collective; private attribute and method."""
+    if variable._layout is None:
+        variable._initialize_layout()
+    layout = variable._layout
+    if layout is None:
+        return None
+    return layout.backend_layout if hasattr(layout, "backend_layout") else layout
+
+
+def set_jax_value(variable: Any, value: Any) -> None:
+    """Replaces the jax.Array behind a JAX variable (`_value`) as it is (`assign` would place it by the variable's layout), for keras_dist's JAX strategy, which places it itself; private attribute."""
+    variable._value = value
+
+
+def drop_jax_layout(variable: Any) -> None:
+    """Forgets a JAX variable's layout (`_layout`): its value stays where it is until `jax_sharding` asks the distribution again, for keras_dist's steps on one process's devices; private attribute."""
+    variable._layout = None
+
+
+# --- layers and epoch iterators -----------------------------------------------------------------
+
+
+def seed_generators(layer: Any) -> list:
+    """The `SeedGenerator`s a layer draws its randomness from (`_seed_generators`: Dropout's, a RandomFlip's), whose states keras_dist's resume saves and restores; private attribute."""
+    return getattr(layer, "_seed_generators", [])
+
+
+def embeddings_variable(layer: Any) -> Any:
+    """An `Embedding`'s table as created (`_embeddings`; the public `embeddings` adds LoRA's update and unpacks int4), whose shards keras_dist's parameter servers read row by row; private attribute."""
+    return layer._embeddings
+
+
+def batch_enumerator(epoch_iterator: Any) -> Any:
+    """An epoch iterator's `_enumerate_iterator` (bound), each epoch's generator of (first step, last step, batch iterator), which keras_dist's resume replaces on one iterator to start an epoch at a step; private method."""
+    return epoch_iterator._enumerate_iterator
+
+
 # --- saving (keras.src.saving.saving_lib) -----------------------------------------------------
 
 
@@ -206,7 +318,7 @@ def save_state(saveable: Any, weights_store: Any) -> None:
                            visited_saveables=set())
 
 
-# --- BackupAndRestore's files and position (keras.src.callbacks.backup_and_restore) ----------
+# --- callbacks: BackupAndRestore's files and position, the saves, the model, TensorBoard's step --
 
 
 def backup_files(backup: Any) -> tuple[str, str]:
@@ -252,6 +364,21 @@ def flatten_layers(model: Any) -> list:
 def save_backup(backup: Any) -> None:
     """Saves a `BackupAndRestore` now, at the position it counts, which keras_dist does at the step every process agreed on; private method."""
     backup._save_model()
+
+
+def save_method(callback: Any) -> Any:
+    """A `ModelCheckpoint`'s or `BackupAndRestore`'s own save (`_save_model`, bound: the checkpoint's takes epoch, batch and logs, the backup's nothing), which keras_dist's atomic writes wrap; private method."""
+    return callback._save_model
+
+
+def callback_model(callback: Any) -> Any:
+    """The model set on a callback (`_model`; None before `set_model`), without what the public `model` does first (JAX: sync the model's variables from its training state), for a copy of the callback with the same model; private attribute."""
+    return vars(callback).get("_model")
+
+
+def tensorboard_step_counter() -> str:
+    """The name of the attribute where `TensorBoard` counts the batches it began (the step of its batch-level summaries), which keras_dist's resume saves and restores with other callbacks' counters; private attribute."""
+    return "_global_train_batch"
 
 
 # --- random seeds (keras.src.utils.rng_utils, keras.src.random.seed_generator) ----------------

@@ -46,7 +46,7 @@ def build_from_local_batch(model: keras.Model, strategy: tf.distribute.Strategy)
         if iterator is not None:
             data_batch = iterator.data_adapter.get_tf_dataset().element_spec
         with strategy.scope():
-            model._symbolic_build(data_batch=data_batch)
+            keras_internals.symbolic_build(model, data_batch)
 
     override(model, "_maybe_symbolic_build", _maybe_symbolic_build)
 
@@ -77,7 +77,7 @@ def step_functions(model: keras.Model, strategy: tf.distribute.Strategy, *, scal
         model: the model; its `_make_function` is replaced on this instance only.
         strategy: the strategy that runs the steps.
     """
-    keras_make_function = model._make_function
+    keras_make_function = keras_internals.step_function_maker(model)
 
     def reduce_logs(outputs):
         if not scalar_logs:
@@ -199,7 +199,7 @@ def metric_increments_added_once(model: keras.Model, strategy: tf.distribute.Str
             makes the step functions), and only those variables are changed.
         strategy: unused; every workaround a strategy declares takes (model, strategy).
     """
-    make_function = model._make_function
+    make_function = keras_internals.step_function_maker(model)
 
     def _make_function(step_function):
         for variable in model.metrics_variables:
@@ -212,7 +212,7 @@ def metric_increments_added_once(model: keras.Model, strategy: tf.distribute.Str
 
 def _tf_update(variable, name):
     def update(delta):
-        tf_variable = variable._value
+        tf_variable = keras_internals.variable_value(variable)
         return getattr(tf_variable, name)(tf.cast(delta, tf_variable.dtype))
 
     return update
@@ -236,15 +236,17 @@ def layer_state_aggregated(model: keras.Model, strategy: tf.distribute.Strategy)
             reach state that layers create when they are built, inside `fit`.
         strategy: the model's CentralStorageStrategy.
     """
-    make_function = model._make_function
+    make_function = keras_internals.step_function_maker(model)
 
     def _make_function(step_function):
         for variable in model.non_trainable_variables:
-            if variable.aggregation == "none" and variable._value is not None:
-                value = tf.convert_to_tensor(variable._value)
-                variable._aggregation = "mean" if value.dtype.is_floating else "only_first_replica"
+            tf_variable = keras_internals.variable_value(variable)
+            if variable.aggregation == "none" and tf_variable is not None:
+                value = tf.convert_to_tensor(tf_variable)
+                keras_internals.set_variable_aggregation(variable, "mean" if value.dtype.is_floating
+                                                         else "only_first_replica")
                 with strategy.scope(), tf.init_scope():
-                    variable._initialize(value)
+                    keras_internals.initialize_variable(variable, value)
         return make_function(step_function)
 
     override(model, "_make_function", _make_function)
@@ -261,7 +263,7 @@ def layer_state_aggregated(model: keras.Model, strategy: tf.distribute.Strategy)
 
 def is_sharded(variable: keras.Variable) -> bool:
     """Whether a Keras variable is backed by a `ShardedVariable`."""
-    return isinstance(getattr(variable, "_value", None), ShardedVariable)
+    return isinstance(keras_internals.variable_value(variable), ShardedVariable)
 
 
 def sharded_variable_updates(optimizer: keras.optimizers.Optimizer) -> None:
@@ -277,7 +279,7 @@ def sharded_variable_updates(optimizer: keras.optimizers.Optimizer) -> None:
             this instance only. Variables that are not sharded take Keras's path.
     """
     keras_add_slot = optimizer.add_variable_from_reference
-    keras_update = optimizer._distributed_tf_update_step
+    keras_update = keras_internals.tf_distributed_update(optimizer)
 
     def add_variable_from_reference(reference_variable, name=None, initializer="zeros"):
         if is_sharded(reference_variable):
@@ -316,13 +318,14 @@ def train_step_over_shards(model: keras.Model) -> Callable[[Any], dict[str, Any]
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
-            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            y_pred = model(x, training=True) if keras_internals.call_has_training_argument(model) else model(x)
+            loss = keras_internals.compute_loss(model, x, y, y_pred, sample_weight=sample_weight, training=True)
             batch_size = tf.shape(next(t for t in tree.flatten(x) if t is not None))[0]
-            model._loss_tracker.update_state(keras_internals.unscale_loss_for_distribution(loss), sample_weight=batch_size)
+            keras_internals.loss_tracker(model).update_state(keras_internals.unscale_loss_for_distribution(loss),
+                                                             sample_weight=batch_size)
             loss = model.optimizer.scale_loss(loss)
         weights = model.trainable_weights
-        sources = [list(w._value.variables) if is_sharded(w) else w for w in weights]
+        sources = [list(keras_internals.variable_value(w).variables) if is_sharded(w) else w for w in weights]
         gradients = tape.gradient(loss, sources)
         joined = [_joined(g, s) if is_sharded(w) else g for g, s, w in zip(gradients, sources, weights)]
         model.optimizer.apply_gradients(zip(joined, weights))
@@ -344,7 +347,7 @@ def sharded_variables_savable(variables: Iterable[keras.Variable]) -> None:
     """
     for variable in variables:
         if is_sharded(variable):
-            variable._value.__class__ = _SavableShardedVariable
+            keras_internals.variable_value(variable).__class__ = _SavableShardedVariable
 
 
 class _SavableShardedVariable(ShardedVariable):

@@ -18,6 +18,7 @@ from typing import Any
 
 import keras
 
+from keras_dist import keras_internals
 from keras_dist.overrides import override
 
 _HOOKED = "_keras_dist_reduces_gradients"
@@ -49,7 +50,7 @@ def reduce_gradients_before_update(optimizer: keras.optimizers.Optimizer, allred
         optimizer = optimizer.inner_optimizer
     if getattr(optimizer, _HOOKED, False):
         return
-    clip = optimizer._clip_gradients
+    clip = keras_internals.gradient_clipper(optimizer)
 
     def reduce_then_clip(self, grads):
         return clip(list(allreduce(grads)))

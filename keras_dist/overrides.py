@@ -22,6 +22,11 @@ def override(obj: object, name: str, value: Any) -> None:
     obj.__dict__.setdefault(_RECORD, set()).add(name)
 
 
+def is_overridden(obj: object, name: str) -> bool:
+    """Whether `override` replaced `obj.<name>` since the last `restore`."""
+    return name in obj.__dict__.get(_RECORD, ())
+
+
 def restore(obj: object) -> None:
     """Removes every `override` of `obj`: its attributes are its class's again."""
     for name in obj.__dict__.pop(_RECORD, ()):

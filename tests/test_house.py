@@ -161,3 +161,114 @@ def test_the_map_in_contributing_is_the_import_order():
     upward = [f"{path}:{line} imports {dotted}" for path, tree in modules().items() for dotted, line in imports(tree)
               for target in [room_of_module(dotted)] if target and target != room(path) and row(target) >= row(room(path))]
     assert upward == [], "an import that does not go to a lower row of CONTRIBUTING's map"
+
+
+# Where keras_dist may name Keras's private attributes and modules: its door to them (each
+# function with a canary in tests/test_keras_internals.py), and the helper that replaces a
+# method on one object, which takes the method's name as a string.
+PRIVATE_KERAS_DOORS = {"keras_dist/keras_internals.py", "keras_dist/overrides.py"}
+# Private names keras_dist reads on objects of other libraries, which the syntax tree does not
+# tell from Keras's: (file, `object._name` as written there): whose it is.
+NOT_KERAS = {
+    ("keras_dist/strategies/torch_distributed.py", "g._version"):
+        "a torch tensor's in-place version counter, which tells a gradient rewritten after its bucket began",
+    ("keras_dist/strategies/torch_distributed.py", "grad._version"): "the same counter, read once the bucket is done",
+    ("keras_dist/inputs/data_loader.py", "sampler._num_samples"):
+        "torch's RandomSampler: None where no num_samples was given (its public num_samples always has one)",
+    ("keras_dist/inputs/tf_data.py", "dataset._as_serialized_graph"):
+        "tf.data's GraphDef of a dataset, into which keras_dist inserts its split",
+    ("keras_dist/strategies/tf_strategy.py", "current._distribute_strategy"):
+        "a tf.Variable's strategy: whether the variable is already the strategy's",
+}
+# Functions that name an attribute with a string, their object first.
+NAMING_BUILTINS = {"getattr", "setattr", "hasattr", "delattr"}
+NAMING_OBJECT_METHODS = {"__getattribute__", "__setattr__", "__delattr__"}  # as `object.__setattr__(obj, name, ...)`
+
+
+def root_name(node: ast.expr) -> str | None:
+    """`a` of `a.b.c`."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def string(node: ast.expr) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def attributes_dict_of(node: ast.expr) -> ast.expr | None:
+    """`obj` where `node` is `vars(obj)` or `obj.__dict__`."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars" and node.args:
+        return node.args[0]
+    return node.value if isinstance(node, ast.Attribute) and node.attr == "__dict__" else None
+
+
+def attribute_uses(node: ast.AST) -> list[tuple[ast.expr, str | None]]:
+    """(object, name) of the attributes `node` reads or writes: `obj.name`, `getattr(obj, "name")`
+    and the other naming functions, `vars(obj)["name"]`, `.get("name")`, `"name" in vars(obj)`."""
+    if isinstance(node, ast.Attribute):
+        return [(node.value, node.attr)]
+    if isinstance(node, ast.Call) and len(node.args) >= 2 and (
+            isinstance(node.func, ast.Name) and node.func.id in NAMING_BUILTINS
+            or isinstance(node.func, ast.Attribute) and node.func.attr in NAMING_OBJECT_METHODS
+            and root_name(node.func) == "object"):
+        return [(node.args[0], string(node.args[1]))]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop") \
+            and node.args and attributes_dict_of(node.func.value) is not None:
+        return [(attributes_dict_of(node.func.value), string(node.args[0]))]
+    if isinstance(node, ast.Subscript) and attributes_dict_of(node.value) is not None:
+        return [(attributes_dict_of(node.value), string(node.slice))]
+    if isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+            and attributes_dict_of(node.comparators[0]) is not None:
+        return [(attributes_dict_of(node.comparators[0]), string(node.left))]
+    return []
+
+
+def private_keras_uses(path: str, tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) of each `keras.src` a module imports or reaches, and each private name
+    (`_name`, not `_keras_dist...`) it reads or writes on an object that is not its own:
+    `self` and `cls`, its classes, names that its classes define (keras_dist's own
+    attributes), the modules and names it imports from libraries other than Keras."""
+    classes = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    own_names = {inner.name for node in classes for inner in node.body
+                 if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    own_names |= {target.attr for node in classes for target in ast.walk(node)
+                  if isinstance(target, ast.Attribute) and isinstance(target.ctx, ast.Store)
+                  and isinstance(target.value, ast.Name) and target.value.id in ("self", "cls")}
+    own_roots = {node.name for node in classes}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            own_roots |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] != "keras"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] != "keras":
+            own_roots |= {a.asname or a.name for a in node.names}
+
+    def is_keras_private(obj: ast.expr, name: str | None) -> bool:
+        if name is None or not name.startswith("_") or name.startswith(("__", "_keras_dist")) or name in own_names:
+            return False
+        # `self.model._name` is the model's: only `self` itself is the object's own.
+        own = isinstance(obj, ast.Name) and obj.id in ("self", "cls") or root_name(obj) in own_roots
+        return not own and (path, f"{ast.unparse(obj)}.{name}") not in NOT_KERAS
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names if a.name.startswith("keras.src")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras.src"):
+            found.append((node.lineno, f"from {node.module} import"))
+        elif isinstance(node, ast.Attribute) and node.attr == "src" and isinstance(node.value, ast.Name) \
+                and node.value.id == "keras" or string(node) and re.search(r"\bkeras\.src\b", string(node)):
+            found.append((node.lineno, "keras.src"))  # a module imported by name (importlib) too
+        else:
+            found += [(node.lineno, f"{ast.unparse(obj)}.{name}") for obj, name in attribute_uses(node)
+                      if is_keras_private(obj, name)]
+    return sorted(found)
+
+
+def test_private_keras_names_are_used_through_keras_internals_and_overrides_alone():
+    # Anywhere else a private name has no canary: the Keras release that renames it breaks
+    # keras_dist where it is used, and no test says what moved.
+    uses = [f"{path}:{line}: {what}" for path, tree in modules().items() if path not in PRIVATE_KERAS_DOORS
+            for line, what in private_keras_uses(path, tree)]
+    assert uses == [], ("private Keras names outside keras_dist/keras_internals.py (add a function there, with its "
+                        "canary in tests/test_keras_internals.py) and keras_dist.overrides (a method replaced on one "
+                        "object):\n" + "\n".join(uses))

@@ -15,7 +15,7 @@ import weakref
 import keras
 
 from keras_dist.fault_tolerance.atomic_writes import keras_own_saves
-from keras_dist.keras_internals import is_default
+from keras_dist.keras_internals import callback_model, is_default
 from keras_dist.launchers.processes import process_ended
 from keras_dist.overrides import restore
 
@@ -54,7 +54,7 @@ class ScratchCallback(keras.callbacks.Callback):
         self.directory = tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}_")
         # Also gone when the run fails or the process exits without reaching the end.
         weakref.finalize(self, shutil.rmtree, self.directory, True)
-        model = vars(callback).get("_model")
+        model = callback_model(callback)
         self.inner = copy.deepcopy(callback, {id(model): model} if model is not None else {})
         restore(self.inner)  # replaced methods would still write through the original
         for name in self._PATH_ATTRIBUTES:

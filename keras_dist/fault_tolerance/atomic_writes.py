@@ -25,7 +25,7 @@ from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
 from keras_dist.fault_tolerance.background_writes import BackgroundWrite, WeightsSnapshot
 from keras_dist.fault_tolerance.resume import METADATA_KEY
-from keras_dist.overrides import methods_while, override
+from keras_dist.overrides import is_overridden, methods_while, override
 
 logger = logging.getLogger("keras_dist")
 
@@ -54,7 +54,7 @@ def make_writes_atomic(callback: keras.callbacks.Callback) -> keras.callbacks.Ca
     non-atomic save: one line says so, and training starts from the last good state
     (Keras's `.bkp` copy where `double_checkpoint=True`, else the beginning).
     """
-    if "_save_model" in vars(callback):
+    if is_overridden(callback, "_save_model"):
         return callback
     if isinstance(callback, keras.callbacks.BackupAndRestore):
         _atomic_backup(callback)
@@ -67,7 +67,7 @@ def _atomic_checkpoint(callback):
     """The model's own save goes to a partial file while Keras's `_save_model` runs, so
     Keras decides and names everything as without keras_dist (its messages name the real
     file); the partial file is published under the real name afterwards."""
-    keras_save = callback._save_model
+    keras_save = keras_internals.save_method(callback)
 
     def _save_model(epoch, batch, logs):
         model, written = callback.model, []
@@ -110,7 +110,8 @@ def _atomic_backup(callback):
     """Keras's `_save_model` runs with the backup's paths set to partial names, and the
     weights it saves copied to host memory (`background_writes.WeightsSnapshot`); a
     thread then writes them and commits the backup, while training goes on."""
-    keras_save, keras_train_begin, keras_train_end = callback._save_model, callback.on_train_begin, callback.on_train_end
+    keras_save = keras_internals.save_method(callback)
+    keras_train_begin, keras_train_end = callback.on_train_begin, callback.on_train_end
     writes, snapshot = BackgroundWrite(), WeightsSnapshot()
 
     def _save_model():

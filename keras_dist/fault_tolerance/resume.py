@@ -58,7 +58,7 @@ _CALLBACK_STATE = {
     keras.callbacks.ReduceLROnPlateau: ("wait", "best", "cooldown_counter"),
     keras.callbacks.ModelCheckpoint: ("best",),
     # Its batch-level summaries' step: from 0 again, a restarted job's curves went back in time.
-    keras.callbacks.TensorBoard: ("_global_train_batch",),
+    keras.callbacks.TensorBoard: (keras_internals.tensorboard_step_counter(),),
 }
 
 
@@ -373,7 +373,7 @@ def _counting_callbacks(callbacks: list) -> list:
 
 
 def _seed_generators(model: keras.Model) -> list:
-    return [g for layer in keras_internals.flatten_layers(model) for g in getattr(layer, "_seed_generators", [])]
+    return [g for layer in keras_internals.flatten_layers(model) for g in keras_internals.seed_generators(layer)]
 
 
 def _seed_states(model: keras.Model) -> list:
@@ -439,7 +439,7 @@ def resume_inside_epoch(model: keras.Model, position: EpochPosition) -> Iterator
 
 
 def _start_at_resume_step(epoch_iterator: Any, position: EpochPosition) -> None:
-    keras_enumerate = epoch_iterator._enumerate_iterator
+    keras_enumerate = keras_internals.batch_enumerator(epoch_iterator)
 
     def enumerate_from_resume_step():
         first = position.first_step(position.epoch)
@@ -451,4 +451,4 @@ def _start_at_resume_step(epoch_iterator: Any, position: EpochPosition) -> None:
                 continue
             yield begin, end, batches
 
-    object.__setattr__(epoch_iterator, "_enumerate_iterator", enumerate_from_resume_step)
+    override(epoch_iterator, "_enumerate_iterator", enumerate_from_resume_step)

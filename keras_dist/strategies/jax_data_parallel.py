@@ -35,7 +35,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist import environments, keras_workarounds_jax, network, optimizer_hooks, timeouts
+from keras_dist import environments, keras_internals, keras_workarounds_jax, network, optimizer_hooks, timeouts
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
@@ -423,17 +423,15 @@ def _replicate(variables):
     import jax
 
     for variable in variables:
-        if variable._layout is None:
-            variable._initialize_layout()
-        if variable._layout is None:
+        sharding = keras_internals.jax_sharding(variable)
+        if sharding is None:
             continue  # no distribution
-        sharding = variable._layout.backend_layout if hasattr(variable._layout, "backend_layout") else variable._layout
-        value = variable._value
+        value = keras_internals.variable_value(variable)
         if getattr(value, "sharding", None) == sharding:
             continue
         local = value.addressable_data(0) if isinstance(value, jax.Array) else value
-        variable._value = jax.make_array_from_single_device_arrays(
-            variable.shape, sharding, [jax.device_put(local, device) for device in sharding.addressable_devices])
+        keras_internals.set_jax_value(variable, jax.make_array_from_single_device_arrays(
+            variable.shape, sharding, [jax.device_put(local, device) for device in sharding.addressable_devices]))
 
 
 def _localize(variables):
@@ -441,14 +439,16 @@ def _localize(variables):
     import jax
 
     for variable in variables:
-        if not isinstance(variable._value, jax.Array):
+        value = keras_internals.variable_value(variable)
+        if not isinstance(value, jax.Array):
             continue  # not made yet
         # A copy: Keras's step donates its state, and this process's shard of the global
         # array shares its buffer. Through NumPy, so it is uncommitted like the metric
         # states Keras resets and the batches it feeds: committed weights beside them
         # compiled every local step twice, at each evaluation.
-        local = np.asarray(variable._value.addressable_data(0))
-        variable._value, variable._layout = jax.numpy.array(local), None
+        local = np.asarray(value.addressable_data(0))
+        keras_internals.set_jax_value(variable, jax.numpy.array(local))
+        keras_internals.drop_jax_layout(variable)
 
 
 def _variables_of(model):

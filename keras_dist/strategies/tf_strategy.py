@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import tensorflow as tf
 
-from keras_dist import keras_workarounds
+from keras_dist import keras_internals, keras_workarounds
 from keras_dist.errors import KerasDistError
 from keras_dist.keras_workarounds import UNDIVIDED_LOSSES
 from keras_dist.strategies.base import Strategy, GradientOptions
@@ -91,7 +91,7 @@ class TFDistributeStrategy(Strategy):
         """
         move_variables(model, self.strategy)
         # Keras reads the strategy from the model, set when it is built under a scope.
-        object.__setattr__(model, "_distribute_strategy", self.strategy)
+        keras_internals.set_distribute_strategy(model, self.strategy)
         for workaround in self.keras_workarounds:
             workaround(model, self.strategy)
         return model
@@ -141,9 +141,9 @@ def adopt_optimizer(optimizer: "keras.optimizers.Optimizer", strategy: tf.distri
     for part in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if part is not None:
             move_variables(part, strategy)
-            part._distribution_strategy = strategy
+            keras_internals.set_optimizer_strategy(part, strategy)
             if part.built:  # a loaded model's: its index is keyed by the TF variables just replaced
-                part._trainable_variables_indices = {part._var_key(v): i for i, v in enumerate(part._trainable_variables)}
+                keras_internals.reindex_optimizer_variables(part)
 
 
 def local_replica_devices(backend_name: str) -> list[str]:
@@ -186,7 +186,7 @@ def move_variables(model: "keras.Model | keras.optimizers.Optimizer", strategy: 
     ```
     """
     for variable in model.variables:
-        current = getattr(variable, "_value", None)
+        current = keras_internals.variable_value(variable)
         if current is None:  # not yet initialized: it will be created on first use
             continue
         if getattr(current, "_distribute_strategy", None) is strategy:
@@ -195,10 +195,6 @@ def move_variables(model: "keras.Model | keras.optimizers.Optimizer", strategy: 
         # The new TensorFlow variable keeps the old one's `trainable` (which gradient tapes
         # watch), not the Keras flag of the moment: a layer frozen now and unfrozen for a
         # second compile (the transfer-learning recipe) must still get gradients.
-        keras_trainable, variable._trainable = variable._trainable, current.trainable
-        try:
-            # init_scope: create eagerly even if a script calls compile inside a tf.function.
-            with strategy.scope(), tf.init_scope():
-                variable._initialize(value)
-        finally:
-            variable._trainable = keras_trainable
+        # init_scope: create eagerly even if a script calls compile inside a tf.function.
+        with strategy.scope(), tf.init_scope():
+            keras_internals.initialize_variable(variable, value, trainable=current.trainable)

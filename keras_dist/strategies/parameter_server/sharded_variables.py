@@ -45,7 +45,8 @@ def embedding_lookups_by_shard(model: keras.Model) -> None:
         # Subclasses keep their own `call`: it may do more than look up rows. Idempotent:
         # each step function (train, test, predict) asks again.
         if type(layer).call is keras.layers.Embedding.call and "call" not in vars(layer) \
-                and keras_workarounds.is_sharded(layer._embeddings) and not layer.lora_enabled and not layer.quantization_mode:
+                and keras_workarounds.is_sharded(keras_internals.embeddings_variable(layer)) \
+                and not layer.lora_enabled and not layer.quantization_mode:
             override(layer, "call", _lookup_by_shard(layer))
 
 
@@ -58,6 +59,7 @@ def _lookup_by_shard(layer):
         ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
         ids = tf.where(ids < 0, ids + layer.input_dim, ids)  # as Keras's `take`: -1 is the last row
         # Dispatches to a per-shard gather for a ShardedVariable ("div" partitioning).
-        return tf.cast(tf.nn.embedding_lookup(layer._embeddings._value, ids), layer.compute_dtype)
+        table = keras_internals.variable_value(keras_internals.embeddings_variable(layer))
+        return tf.cast(tf.nn.embedding_lookup(table, ids), layer.compute_dtype)
 
     return call
