@@ -319,8 +319,11 @@ def install_debian_package(package: str, program: str) -> None:
     environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for update in (False, True):  # the package lists may be missing or stale: update once
         if update:
-            subprocess.run(["apt-get", "update", "-q"], env=environment, capture_output=True)
-        done = subprocess.run(["apt-get", "install", "-y", "-q", package], env=environment, capture_output=True, text=True)
+            subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "update", "-q"], env=environment, capture_output=True)
+        # Another test process may be installing too (openmpi-bin: tests/test_platforms.py and
+        # tests/test_hosts.py run side by side): wait for its lock rather than fail.
+        done = subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y", "-q", package],
+                              env=environment, capture_output=True, text=True)
         if done.returncode == 0:
             break
     if done.returncode or not Path(program).exists():
