@@ -319,7 +319,8 @@ def install_debian_package(package: str, program: str) -> None:
     environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for update in (False, True):  # the package lists may be missing or stale: update once
         if update:
-            subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "update", "-q"], env=environment, capture_output=True)
+            subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "update", "-q"], env=environment,
+                           capture_output=True)
         # Another test process may be installing too (openmpi-bin: tests/test_platforms.py and
         # tests/test_hosts.py run side by side): wait for its lock rather than fail.
         done = subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y", "-q", package],

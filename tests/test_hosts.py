@@ -145,7 +145,8 @@ def test_gloo_across_hosts_named_on_loopback_matches_one_process_at_the_global_b
                  "KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": str(i)} for i in range(2)]
     outputs, _, listeners = launch_on_hosts(bed, commands, envs)
     if platform == "tpu_slice":
-        assert "4 replicas in 2 processes on 2 machines (cluster environment: tpu_slice)" in outputs[0], outputs[0][-3000:]
+        line = "4 replicas in 2 processes on 2 machines (cluster environment: tpu_slice)"
+        assert line in outputs[0], outputs[0][-3000:]
     expected = reference(tmp_path, keras_backend)
     for result in results(bed):
         assert_trains_like(result, expected)
