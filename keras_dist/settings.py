@@ -112,6 +112,16 @@ VARIABLES = (
              "read: without cuda or gpu in it, JAX processes take no GPUs"),
     Variable("SLURM_JOB_ID", "framework", "id", "none",
              "read to requeue the job after a SIGUSR1 (`scontrol requeue`)"),
+    Variable("KERAS_HOME", "framework", "directory", "~/.keras",
+             "read: where keras.json names the Keras backend, when KERAS_BACKEND is unset"),
+    Variable("TF_CONFIG", "framework", "JSON", "set by `keras-dist launch` for TensorFlow's clusters",
+             "a task that names itself by a host name resolving to loopback here gets its address instead"),
+    Variable("TF_NUM_INTEROP_THREADS", "framework", "count", "set to 2 on a task of one core",
+             "TensorFlow's inter-op pool: with one thread a parameter-server worker waited forever on its reads"),
+    Variable("TPU_NAME", "framework", "TPU name or address", "none",
+             "read: the TPU the `tpu` backend connects to, and the sign that selects it"),
+    Variable("KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS", "framework", "endpoints", "none",
+             "read as TPU_NAME, where GKE sets it"),
 )
 
 # A variable set to "" is unset, as a shell's `VAR= command` means.
