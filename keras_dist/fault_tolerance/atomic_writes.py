@@ -182,14 +182,15 @@ def _commit(snapshot, partials, finals, previous):
             # between the last two leaves new weights beside old metadata, which would train an
             # epoch twice; `_finish_interrupted_commit` completes that commit on the rerun.
             publish(partial_metadata, metadata + _STAGED)
+        # The directory may also be removed between the last renames.
+        with _failed_writes_end_in_one_line(weights, [], BACKUP_OPTION):
+            publish(partial_weights, weights)
+            publish(metadata + _STAGED, metadata)
     except _RemovedWhileWriting:
         # Removed under the job (a clean-up of /tmp): what it held is gone whatever we do,
         # and Keras makes the directory again at its next save, so training goes on.
         logger.warning("keras_dist: %s was removed while a backup was written into it; this backup is skipped, and "
                        "the next one makes the directory again", os.path.dirname(os.path.abspath(weights)))
-        return
-    publish(partial_weights, weights)
-    publish(metadata + _STAGED, metadata)
 
 
 @contextlib.contextmanager
