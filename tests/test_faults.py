@@ -265,7 +265,8 @@ def test_a_full_disk_ends_the_job_in_one_line_and_the_rerun_resumes_once_there_i
     # the shutdown, JAX's coordination service's abort (docs/fault-tolerance.md); 82 lines before.
     peer = [line for line in out.splitlines() if "PeerFailure:" in line]
     assert len(peer) == 1 and "rank 0 " in peer[0] and " exited" in peer[0], out[-3000:]
-    assert len(out.strip().splitlines()) <= {"torch": 4, "horovod": 8, "jax": 10}[backend], out
+    # Plus, where the launcher's stop reaches the peer before its collective fails, its notice line.
+    assert len(out.strip().splitlines()) <= {"torch": 5, "horovod": 9, "jax": 11}[backend], out
     assert sorted(os.listdir(small_disk / "backup")) == ["latest.weights.h5", "training_metadata.json"]
     subprocess.run(["mount", "-o", "remount,size=8m", small_disk], check=True)
     code, out = run(command, timeout=200)
