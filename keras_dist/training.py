@@ -316,6 +316,7 @@ class UndistributedFitGuard:
 
     def __init__(self, strategy: "Strategy") -> None:
         self.strategy = strategy
+        self._data_layouts: dict[int, keras.distribution.TensorLayout] = {}  # by the data's rank
 
     @property
     def _is_multi_process(self) -> bool:
@@ -338,10 +339,15 @@ class UndistributedFitGuard:
         return None
 
     def get_data_layout(self, data_shape: tuple) -> keras.distribution.TensorLayout:
-        import jax
+        # Asked for every leaf of every batch (`train_on_batch`): one layout per rank, made once.
+        rank = len(data_shape)
+        if rank not in self._data_layouts:
+            import jax
 
-        device = keras.distribution.DeviceMesh((1,), [self.batch_dim_name], [jax.local_devices()[0]])
-        return keras.distribution.TensorLayout([self.batch_dim_name] + [None] * (len(data_shape) - 1), device)
+            device = keras.distribution.DeviceMesh((1,), [self.batch_dim_name], [jax.local_devices()[0]])
+            self._data_layouts[rank] = keras.distribution.TensorLayout([self.batch_dim_name] + [None] * (rank - 1),
+                                                                        device)
+        return self._data_layouts[rank]
 
 
 def _model_whose_fit_runs() -> keras.Model | None:
