@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from keras_dist import settings
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 TF_LOG_LEVEL_VARIABLE = "TF_CPP_MIN_LOG_LEVEL"
 
@@ -64,7 +64,7 @@ def configure_logging(is_chief: bool) -> None:
     logger.setLevel(level)
 
 
-def announce(strategy: "Strategy") -> None:
+def announce(strategy: "Replicas") -> None:
     """The job's one summary line, from the chief of a job of several processes or replicas."""
     if strategy.size == 1 and strategy.num_replicas == 1:
         if strategy.environment.name != "local":

@@ -212,7 +212,7 @@ class DistributedTraining:
         return metric_results(self.model.metrics, self.strategy.sum_across_processes_in_step([v.value for v in variables]))
 
     def global_metrics_result(self) -> dict[str, Any]:
-        """Model metrics computed from their states over every process (`Strategy.global_metric_states`)."""
+        """Model metrics computed from their states over every process (`Replicas.global_metric_states`)."""
         metrics = self.model.metrics
         variables = [v for m in metrics for v in m.variables]
         if not variables:

@@ -24,7 +24,7 @@ import keras
 from keras_dist.fault_tolerance.atomic_writes import make_log_failures_warn, make_writes_atomic
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 logger = logging.getLogger("keras_dist")
 CallbackT = TypeVar("CallbackT", bound=keras.callbacks.Callback)
@@ -56,7 +56,7 @@ def chief_only(callback: CallbackT) -> CallbackT:
 
 
 def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | keras.callbacks.CallbackList | None,
-                              strategy: "Strategy") -> list[keras.callbacks.Callback]:
+                              strategy: "Replicas") -> list[keras.callbacks.Callback]:
     """The user's callbacks as this worker must run them.
 
     Args:
@@ -69,7 +69,7 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
         (`make_log_failures_warn`). On other workers, those passed through `chief_only` are
         left out, and Keras's file-writing callbacks dropped or, where the strategy's
         saves are collective (every worker must take part in a save), replaced by the
-        strategy's stand-in (`Strategy.worker_file_callback`).
+        strategy's stand-in (`Replicas.worker_file_callback`).
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
@@ -128,7 +128,7 @@ def _on_audit_event(event: str, args: tuple) -> None:
 
 
 @contextlib.contextmanager
-def watched(strategy: "Strategy") -> Iterator[None]:
+def watched(strategy: "Replicas") -> Iterator[None]:
     """While `fit` runs: on a worker other than the chief, the first file a callback of the
     script's opens for writing is logged, once per process."""
     if strategy.is_chief or strategy.size == 1:

@@ -10,7 +10,7 @@ import numpy as np
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 
 class ReplicaCheck(keras.callbacks.Callback):
@@ -26,7 +26,7 @@ class ReplicaCheck(keras.callbacks.Callback):
         strategy: the active keras_dist strategy, with more than one process.
     """
 
-    def __init__(self, strategy: "Strategy") -> None:
+    def __init__(self, strategy: "Replicas") -> None:
         super().__init__()
         self.strategy = strategy
 
@@ -50,7 +50,7 @@ def weights_digest(weights: Iterable[keras.Variable]) -> int:
     return digest
 
 
-def average_statistics(model: keras.Model, strategy: "Strategy") -> None:
+def average_statistics(model: keras.Model, strategy: "Replicas") -> None:
     """Sets every float non-trainable weight of `model` to its mean over processes."""
     statistics = [w for w in model.non_trainable_weights if "float" in str(w.dtype)]
     if not statistics:

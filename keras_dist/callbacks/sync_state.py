@@ -11,7 +11,7 @@ from keras_dist.callbacks.replica_check import weights_digest
 from keras_dist.errors import KerasDistError
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 logger = logging.getLogger("keras_dist")
 
@@ -28,7 +28,7 @@ class SyncInitialState(keras.callbacks.Callback):
         strategy: the active keras_dist strategy.
     """
 
-    def __init__(self, strategy: "Strategy") -> None:
+    def __init__(self, strategy: "Replicas") -> None:
         super().__init__()
         self.strategy = strategy
 
@@ -39,7 +39,7 @@ class SyncInitialState(keras.callbacks.Callback):
         keras_internals.set_initial_epoch(self.model, chiefs)
 
 
-def sync_model_state(model: keras.Model, strategy: "Strategy") -> None:
+def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
     """Checks the models match across processes, then copies the chief's state to all.
 
     With the job's shared seed (`keras_dist.startup`) the weights already agree, so the
@@ -62,7 +62,7 @@ def sync_model_state(model: keras.Model, strategy: "Strategy") -> None:
     strategy.broadcast_variables(variables)
 
 
-def check_same_variables(variables: Iterable[keras.Variable], strategy: "Strategy") -> None:
+def check_same_variables(variables: Iterable[keras.Variable], strategy: "Replicas") -> None:
     """Stops with a one-line error unless every process has variables of these paths and shapes.
 
     A collective over variables that differ would hang or fail deep inside TensorFlow.

@@ -37,7 +37,7 @@ from keras_dist.launchers.processes import NOTICE_SIGNALS
 from keras_dist.settings import Settings
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 logger = logging.getLogger("keras_dist")
 
@@ -80,7 +80,7 @@ class PreemptionNotice(keras.callbacks.Callback):
             for a backup once this many seconds have passed since the last one.
     """
 
-    def __init__(self, strategy: "Strategy", backup_seconds: float | None = None) -> None:
+    def __init__(self, strategy: "Replicas", backup_seconds: float | None = None) -> None:
         super().__init__()
         self.strategy, self.backup_seconds = strategy, backup_seconds
         # Where the backup at the agreed step goes (`ResumePoint`); None: nothing is saved.

@@ -40,7 +40,7 @@ from keras_dist.errors import KerasDistError
 from keras_dist.overrides import methods_while, override
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 logger = logging.getLogger("keras_dist")
 
@@ -76,7 +76,7 @@ class FollowEpochs(keras.callbacks.Callback):
 
 def backup_of(callbacks: list) -> keras.callbacks.BackupAndRestore | None:
     """The `BackupAndRestore` among `callbacks`, if any (inside a worker's stand-in too,
-    `keras_dist.callbacks.scratch.ScratchCallback`)."""
+    `keras_dist.strategies.scratch.ScratchCallback`)."""
     return next((c for c in (getattr(c, "inner", c) for c in callbacks)
                  if isinstance(c, keras.callbacks.BackupAndRestore)), None)
 
@@ -115,7 +115,7 @@ class ResumePoint(keras.callbacks.Callback):
             it asks for, the backup saves (the notice then ends the process).
     """
 
-    def __init__(self, strategy: "Strategy", backup: keras.callbacks.BackupAndRestore, position: EpochPosition,
+    def __init__(self, strategy: "Replicas", backup: keras.callbacks.BackupAndRestore, position: EpochPosition,
                  callbacks: list, runs_backup: bool, notice: PreemptionNotice) -> None:
         super().__init__()
         self.strategy, self.backup, self.position, self.runs_backup = strategy, backup, position, runs_backup

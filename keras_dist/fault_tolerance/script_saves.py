@@ -17,7 +17,7 @@ compiled, those three methods are replaced on the model object (`install`):
   after the wait bound (the step timeout's first value, longer while the chief's staging
   directory still grows) one line says so and names the fix.
 
-On JAX the chief saves on its own copy of the weights (`Strategy.process_local_steps`):
+On JAX the chief saves on its own copy of the weights (`Replicas.process_local_steps`):
 under Keras's multi-process distribution each variable Keras makes while saving is a
 collective, which hung a chief saving alone. Paths Keras writes elsewhere than the local
 file system (`gs://`, `hf://`) and file objects are the chief's alone, with no wait.
@@ -40,7 +40,7 @@ from keras_dist.fault_tolerance.atomic_writes import PARTIAL_PREFIX, SAVING_METH
 from keras_dist.overrides import override
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 RECORD_PREFIX = ".keras_dist-saved-"
 _POLL_SECONDS = 0.05
@@ -50,7 +50,7 @@ _STARTED = time.time()
 _CLOCK_SLACK_SECONDS = 1.0
 
 
-def install(model: keras.Model, strategy: "Strategy") -> None:
+def install(model: keras.Model, strategy: "Replicas") -> None:
     """Makes `model.save`, `save_weights` and `export` write once, from the chief (a job of
     several processes; one process keeps Keras's own methods)."""
     if strategy.size == 1:
@@ -61,7 +61,7 @@ def install(model: keras.Model, strategy: "Strategy") -> None:
             override(model, name, _once_from_the_chief(model, strategy, keras_method.__get__(model)))
 
 
-def _once_from_the_chief(model: keras.Model, strategy: "Strategy", keras_method: Callable[..., Any]) -> Callable[..., Any]:
+def _once_from_the_chief(model: keras.Model, strategy: "Replicas", keras_method: Callable[..., Any]) -> Callable[..., Any]:
     def save(filepath: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(filepath, (str, os.PathLike)):  # a file object: this process's own
             with strategy.process_local_steps(model):

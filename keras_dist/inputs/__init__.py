@@ -18,14 +18,12 @@ only the module of a kind imports its framework:
 * torch `DataLoader`: `keras_dist.inputs.data_loader` (as `DistributedSampler` splits);
 * Python generators: `keras_dist.inputs.generators` (every N-th batch of the stream).
 
-Every kind's module has the same four functions (`keras_dist.inputs.base`: split, order for
-resume, gather predictions), and `KINDS` tells the kinds apart: a new kind is one module and
-one line there. A strategy says how its process reads (`Strategy.input_plan`) and sees every
-shard once, through `Strategy.take_input`, before Keras does.
+Every kind's module has its `InputKind` (`keras_dist.inputs.base`: split, order for resume,
+gather predictions), and `KINDS` tells the kinds apart: a new kind is one module and one
+line there. A strategy says how its process reads as data (`Replicas.input_plan`).
 """
 
 import dataclasses
-import importlib
 import sys
 import types
 from collections.abc import Callable
@@ -35,11 +33,11 @@ import keras
 
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs import arrays
-from keras_dist.inputs.base import Inputs, job_seed  # noqa: F401 (the package's interface)
+from keras_dist.inputs.base import InputKind, Inputs, job_seed  # noqa: F401 (the package's interface)
 from keras_dist.inputs.position import EpochPosition
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 
 def is_tf_dataset(data: Any) -> bool:
@@ -54,31 +52,55 @@ def is_data_loader(data: Any) -> bool:
     return torch is not None and isinstance(data, torch.utils.data.DataLoader)
 
 
+def _tf_data() -> InputKind:
+    from keras_dist.inputs.tf_data import TFDataKind
+
+    return TFDataKind()
+
+
+def _py_dataset() -> InputKind:
+    from keras_dist.inputs.py_dataset import PyDatasetKind
+
+    return PyDatasetKind()
+
+
+def _data_loader() -> InputKind:
+    from keras_dist.inputs.data_loader import DataLoaderKind
+
+    return DataLoaderKind()
+
+
+def _generator() -> InputKind:
+    from keras_dist.inputs.generators import GeneratorKind
+
+    return GeneratorKind()
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """One kind of input Keras accepts: how to tell it without importing its framework, and
-    the module with its `split`, `ordered` and `gather` (`keras_dist.inputs.base`)."""
+    how to make its `InputKind` (importing its module, once its framework exists)."""
 
     recognises: Callable[[Any], bool]
-    module: str
+    make: Callable[[], InputKind]
 
 
 # Every kind, in the order they are told apart: a new kind is a module and a line here.
 KINDS = (
-    Kind(is_tf_dataset, "keras_dist.inputs.tf_data"),
-    Kind(lambda x: isinstance(x, keras.utils.PyDataset), "keras_dist.inputs.py_dataset"),
-    Kind(is_data_loader, "keras_dist.inputs.data_loader"),
-    Kind(lambda x: x is not None and arrays.is_array_input(x), "keras_dist.inputs.arrays"),
-    Kind(lambda x: isinstance(x, types.GeneratorType), "keras_dist.inputs.generators"),
+    Kind(is_tf_dataset, _tf_data),
+    Kind(lambda x: isinstance(x, keras.utils.PyDataset), _py_dataset),
+    Kind(is_data_loader, _data_loader),
+    Kind(lambda x: x is not None and arrays.is_array_input(x), arrays.ArraysKind),
+    Kind(lambda x: isinstance(x, types.GeneratorType), _generator),
 )
 
 
-def kind_of(x: Any) -> types.ModuleType | None:
-    """The module of `x`'s kind (imported now: its framework is, since `x` exists), or None."""
-    return next((importlib.import_module(k.module) for k in KINDS if k.recognises(x)), None)
+def kind_of(x: Any) -> InputKind | None:
+    """`x`'s kind (its module imported now: its framework is, since `x` exists), or None."""
+    return next((k.make() for k in KINDS if k.recognises(x)), None)
 
 
-def fit(strategy: "Strategy", data: Inputs, validation_data: Any = None, validation_split: float = 0.0,
+def fit(replicas: "Replicas", data: Inputs, validation_data: Any = None, validation_split: float = 0.0,
         validation_batch_size: int | None = None, validation_steps: int | None = None,
         position: EpochPosition | None = None, shuffle: bool | str = False) -> tuple[Inputs, Inputs | None]:
     """This process's training input (padded to equal steps) and validation input (None: none).
@@ -95,31 +117,31 @@ def fit(strategy: "Strategy", data: Inputs, validation_data: Any = None, validat
     validation = None
     if validation_data is not None:
         held = Inputs.of_validation(validation_data, validation_batch_size or data.batch_size, validation_steps)
-        validation = _split(strategy, held, pad=False, purpose="validation")
-    ordered = _ordered(strategy, data, position, shuffle) if position is not None and data.steps is None else None
-    return ordered or _split(strategy, data, pad=True, purpose="fit"), validation
+        validation = _split(replicas, held, pad=False, purpose="validation")
+    ordered = _ordered(replicas, data, position, shuffle) if position is not None and data.steps is None else None
+    return ordered or _split(replicas, data, pad=True, purpose="fit"), validation
 
 
-def evaluate(strategy: "Strategy", data: Inputs) -> Inputs:
+def evaluate(replicas: "Replicas", data: Inputs) -> Inputs:
     """This process's share of `evaluate`'s input (not padded)."""
-    return _split(strategy, data, pad=False, purpose="evaluate")
+    return _split(replicas, data, pad=False, purpose="evaluate")
 
 
-def predict(strategy: "Strategy", data: Inputs) -> Inputs:
+def predict(replicas: "Replicas", data: Inputs) -> Inputs:
     """This process's share of `predict`'s input (files never split, to keep the order).
 
     Arrays are padded to equal shards, so that no process runs Keras's loop on nothing
     (fewer samples than processes) and steps end together; the gather drops the padding.
     Other kinds give an empty share a stand-in batch (`Inputs.stand_in`).
     """
-    return _split(strategy, data, pad=False, purpose="predict")
+    return _split(replicas, data, pad=False, purpose="predict")
 
 
-def gather_predictions(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
+def gather_predictions(replicas: "Replicas", data: Inputs, outputs: Any) -> Any:
     """Every process's `predict` outputs for the split `data`, in the script's input order."""
-    if strategy.input_plan.num_shards == 1:
+    if replicas.input_plan.num_shards == 1:
         return outputs
-    return importlib.import_module(data.kind).gather(strategy, data, outputs)
+    return data.kind.gather(replicas, data, outputs)
 
 
 def as_validation_data(validation: Inputs) -> Any:
@@ -134,24 +156,24 @@ def _hold_out(data: Inputs, fraction: float) -> tuple[Inputs, tuple]:
     return dataclasses.replace(data, x=kept[0], y=kept[1], sample_weight=kept[2]), held
 
 
-def _ordered(strategy: "Strategy", data: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
+def _ordered(replicas: "Replicas", data: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
     """This process's training share of `data`, ordered by keras_dist (a fit that may resume
     inside an epoch, or that several processes run): each epoch that `fit` shuffles is one
     permutation of the whole input, drawn from the job's seed and the epoch, split
     interleaved; None where keras_dist cannot order it (`_split` splits it then)."""
     kind = kind_of(data.x)
-    share = kind.ordered(strategy, data, position, shuffle) if kind is not None else None
-    return None if share is None else dataclasses.replace(share, kind=kind.__name__)
+    share = kind.ordered(replicas, data, position, shuffle) if kind is not None else None
+    return None if share is None else dataclasses.replace(share, kind=kind)
 
 
-def _split(strategy: "Strategy", data: Inputs, pad: bool, purpose: str) -> Inputs:
+def _split(replicas: "Replicas", data: Inputs, pad: bool, purpose: str) -> Inputs:
     """This process's share of `data`, as the strategy then takes it (its kind's `split`)."""
     kind = kind_of(data.x)
     if kind is not None:
-        return dataclasses.replace(kind.split(strategy, data, pad, purpose), kind=kind.__name__)
-    if strategy.input_plan.num_shards > 1:
+        return dataclasses.replace(kind.split(replicas, data, pad, purpose), kind=kind)
+    if replicas.input_plan.num_shards > 1:
         raise KerasDistError(
-            f"keras_dist cannot split a {type(data.x).__name__} across {strategy.input_plan.num_shards} processes; "
+            f"keras_dist cannot split a {type(data.x).__name__} across {replicas.input_plan.num_shards} processes; "
             "pass NumPy arrays, a tf.data.Dataset, a keras.utils.PyDataset or a torch DataLoader"
         )
     return data

@@ -20,30 +20,57 @@ from keras import tree
 
 from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
-from keras_dist.inputs.base import Inputs, may_stand_in, open_ended, ordered_share
+from keras_dist.inputs.base import InputKind, Inputs, may_stand_in, open_ended, ordered_share
 from keras_dist.inputs.position import EpochPosition, rest_of_order, steps_left
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 
-def split(strategy: "Strategy", data: Inputs, pad: bool, purpose: str) -> Inputs:
-    """This process's rows (`shard_arrays`); for `predict` padded too, so that no process runs
-    Keras's loop on nothing and steps end together (`gather` drops the padding)."""
-    plan, parts = strategy.input_plan, data.arrays
-    stand_in = may_stand_in(plan, pad)
-    if purpose == "predict" and plan.num_shards > 1:
-        pad = True
-        data = dataclasses.replace(data, samples=num_samples(parts))
-    share = shard_arrays(parts, plan.num_shards, plan.shard_index, pad)
-    if stand_in and num_samples(share) == 0:
-        share = take_rows(parts, np.zeros(1, dtype=int))
-        data = dataclasses.replace(data, stand_in=True)
-    batch_size = None if data.batch_size is None else data.batch_size * plan.batch_multiplier
-    data = dataclasses.replace(data, **share, batch_size=batch_size)
-    if not pad and plan.collective_steps:
-        data = Inputs(open_ended(_dataset(data.arrays, data.batch_size)), steps=data.steps)
-    return dataclasses.replace(data, x=strategy.take_input(data.x, pad))
+class InterleavedOutputs(InputKind):
+    """A kind split interleaved, whose `predict` outputs come back as arrays' do."""
+
+    def gather(self, replicas: "Replicas", data: Inputs, outputs: Any) -> Any:
+        """Outputs of interleaved shards back in input order (padding dropped): `gather_interleaved`."""
+        return gather_interleaved(replicas, outputs, replicas.input_plan.num_shards, data.samples)
+
+
+class ArraysKind(InterleavedOutputs):
+    """NumPy arrays, or anything with `__array__`, in any structure Keras takes."""
+
+    def split(self, replicas: "Replicas", data: Inputs, pad: bool, purpose: str) -> Inputs:
+        """This process's rows (`shard_arrays`); for `predict` padded too, so that no process runs
+        Keras's loop on nothing and steps end together (`gather` drops the padding)."""
+        plan, parts = replicas.input_plan, data.arrays
+        stand_in = may_stand_in(plan, pad)
+        if purpose == "predict" and plan.num_shards > 1:
+            pad = True
+            data = dataclasses.replace(data, samples=num_samples(parts))
+        share = shard_arrays(parts, plan.num_shards, plan.shard_index, pad)
+        if stand_in and num_samples(share) == 0:
+            share = take_rows(parts, np.zeros(1, dtype=int))
+            data = dataclasses.replace(data, stand_in=True)
+        batch_size = None if data.batch_size is None else data.batch_size * plan.batch_multiplier
+        data = dataclasses.replace(data, **share, batch_size=batch_size)
+        if not pad and plan.collective_steps:
+            data = Inputs(open_ended(_dataset(data.arrays, data.batch_size)), steps=data.steps)
+        return data
+
+    def ordered(self, replicas: "Replicas", data: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
+        """The training rows in batches, in an order keras_dist draws per epoch (`EpochRows`), where
+        `fit` shuffles, or unshuffled in an elastic job (to resume on another count).
+
+        Under several processes "batch" (Keras: shuffle within batch-sized chunks) draws one
+        global permutation too: any order kept inside a chunk gives each shard a fixed stride.
+        """
+        plan, parts = replicas.input_plan, data.arrays
+        # Unshuffled, Keras's array adapter keeps its own order, which resumes on the same count.
+        if (not shuffle and not position.elastic) or (shuffle == "batch" and plan.num_shards == 1) \
+                or num_samples(parts) == 0:
+            return None
+        rows = EpochRows(parts, plan.num_shards, plan.shard_index, (data.batch_size or 32) * plan.batch_multiplier,
+                         position, shuffle=bool(shuffle), class_weight=data.class_weight)
+        return ordered_share(EpochBatches(rows), data, position)
 
 
 def _dataset(parts: dict, batch_size: int | None) -> Any:
@@ -53,28 +80,6 @@ def _dataset(parts: dict, batch_size: int | None) -> Any:
 
     kept = tuple(parts[k] for k in ("x", "y", "sample_weight") if parts.get(k) is not None)
     return tf.data.Dataset.from_tensor_slices(for_tf_data(kept if len(kept) > 1 else kept[0])).batch(batch_size or 32)
-
-
-def ordered(strategy: "Strategy", data: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
-    """The training rows in batches, in an order keras_dist draws per epoch (`EpochRows`), where
-    `fit` shuffles, or unshuffled in an elastic job (to resume on another count).
-
-    Under several processes "batch" (Keras: shuffle within batch-sized chunks) draws one
-    global permutation too: any order kept inside a chunk gives each shard a fixed stride.
-    """
-    plan, parts = strategy.input_plan, data.arrays
-    # Unshuffled, Keras's array adapter keeps its own order, which resumes on the same count.
-    if (not shuffle and not position.elastic) or (shuffle == "batch" and plan.num_shards == 1) \
-            or num_samples(parts) == 0:
-        return None
-    rows = EpochRows(parts, plan.num_shards, plan.shard_index, (data.batch_size or 32) * plan.batch_multiplier,
-                     position, shuffle=bool(shuffle), class_weight=data.class_weight)
-    return ordered_share(strategy, EpochBatches(rows), data, position)
-
-
-def gather(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
-    """Outputs of interleaved shards back in input order (padding dropped): `gather_interleaved`."""
-    return gather_interleaved(strategy, outputs, strategy.input_plan.num_shards, data.samples)
 
 
 def _leaves(data: Any) -> list:
@@ -272,14 +277,14 @@ class EpochBatches(keras_internals.data_adapter_class()):
         self.adapter.on_epoch_end()
 
 
-def allgather_parts(backend: "Strategy", leaf: Any) -> list[np.ndarray]:
+def allgather_parts(replicas: "Replicas", leaf: Any) -> list[np.ndarray]:
     """Every process's `leaf` (first dimensions may differ), in rank order."""
-    counts = backend.allgather_object(len(leaf))
-    stacked = backend.allgather_array(np.asarray(leaf))
+    counts = replicas.allgather_object(len(leaf))
+    stacked = replicas.allgather_array(np.asarray(leaf))
     return np.split(stacked, np.cumsum(counts)[:-1])
 
 
-def gather_interleaved(backend: "Strategy", local_outputs: Any, num_shards: int, length: int | None = None) -> Any:
+def gather_interleaved(replicas: "Replicas", local_outputs: Any, num_shards: int, length: int | None = None) -> Any:
     """Inverse of the interleaved split: every process gets the whole result.
 
     Shards may differ in length (unpadded). With `length`, the rows past it (the padding
@@ -287,7 +292,7 @@ def gather_interleaved(backend: "Strategy", local_outputs: Any, num_shards: int,
     """
 
     def gather(leaf):
-        parts = allgather_parts(backend, leaf)
+        parts = allgather_parts(replicas, leaf)
         out = np.empty((sum(len(p) for p in parts),) + parts[0].shape[1:], dtype=parts[0].dtype)
         for rank, part in enumerate(parts):
             out[rank::num_shards][:len(part)] = part

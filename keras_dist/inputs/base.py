@@ -1,18 +1,12 @@
-"""What every input kind's module shares: the call's input (`Inputs`), and the step each
-kind's `ordered` ends with, and the open-ended input of collective steps.
+"""What every input kind shares: the call's input (`Inputs`), the contract each kind
+implements (`InputKind`), the step each kind's `ordered` ends with, and the open-ended input
+of collective steps.
 
-Each kind Keras accepts has a module under `keras_dist.inputs` with the same four
-functions, and a line in `keras_dist.inputs.KINDS` that recognises it:
-
-* `split(strategy, data, pad, purpose) -> Inputs`: this process's share, as the strategy
-  takes it (`pad`: equal steps on every process, for training; `purpose`: "fit",
-  "validation", "evaluate" or "predict");
-* `ordered(strategy, data, position, shuffle) -> Inputs | None`: the training share in an
-  order keras_dist draws, which resumes inside an epoch (None: the kind's order is its own);
-* `gather(strategy, data, outputs)`: every process's `predict` outputs of the split
-  `data`, in the script's input order.
+Each kind Keras accepts has a module under `keras_dist.inputs` with its `InputKind`, and a
+line in `keras_dist.inputs.KINDS` that recognises it and imports its module.
 """
 
+import abc
 import dataclasses
 import itertools
 import os
@@ -22,7 +16,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from keras_dist.inputs.position import EpochPosition
-    from keras_dist.strategies.base import InputPlan, Strategy
+    from keras_dist.replicas import InputPlan, Replicas
 
 # The argument that bounds a call's steps, by purpose, as Keras names it.
 STEPS = {"fit": "steps_per_epoch", "validation": "validation_steps", "evaluate": "steps", "predict": "steps"}
@@ -46,8 +40,7 @@ class Inputs:
             gathered outputs back in order.
         ordered: keras_dist orders the epochs (`fit` that resumes inside an epoch): Keras
             must not shuffle.
-        kind: the module of the input's kind, once split (its `gather` puts predictions
-            back in order).
+        kind: the input's kind, once split (its `gather` puts predictions back in order).
         class_weight: `fit`'s, kept beside the input it weighs.
     """
 
@@ -60,7 +53,7 @@ class Inputs:
     stand_in: bool = False
     generator_share: Any = None  # a `keras_dist.inputs.generators.GeneratorShare`
     ordered: bool = False
-    kind: str | None = None
+    kind: "InputKind | None" = None
     class_weight: dict | None = None
 
     @classmethod
@@ -80,6 +73,25 @@ class Inputs:
         return {**self.arrays, "batch_size": self.batch_size, steps: self.steps}
 
 
+class InputKind(abc.ABC):
+    """How keras_dist splits one kind of input Keras accepts, for the process `replicas` is."""
+
+    @abc.abstractmethod
+    def split(self, replicas: "Replicas", data: Inputs, pad: bool, purpose: str) -> Inputs:
+        """This process's share of `data` (`pad`: equal steps on every process, for training;
+        `purpose`: "fit", "validation", "evaluate" or "predict")."""
+
+    def ordered(self, replicas: "Replicas", data: Inputs, position: "EpochPosition",
+                shuffle: bool | str) -> Inputs | None:
+        """The training share in an order keras_dist draws, which resumes inside an epoch
+        (`ordered_share`); None (the default): the kind's order is its own."""
+        return None
+
+    @abc.abstractmethod
+    def gather(self, replicas: "Replicas", data: Inputs, outputs: Any) -> Any:
+        """Every process's `predict` outputs of the split `data`, in the script's input order."""
+
+
 def may_stand_in(plan: "InputPlan", pad: bool) -> bool:
     """Whether an unpadded share may be empty and get a stand-in; where steps are collectives
     an open-ended input ends it instead (`open_ended`)."""
@@ -94,17 +106,17 @@ def open_ended(dataset: Any) -> Any:
     return dataset.filter(lambda *_: True)
 
 
-def ordered_share(strategy: "Strategy", x: Any, data: Inputs, position: "EpochPosition") -> Inputs:
-    """The training input `x` that keras_dist orders, as the strategy takes it: it starts the
-    epoch resumed after the part done itself (`EpochPosition.sources_skip`)."""
+def ordered_share(x: Any, data: Inputs, position: "EpochPosition") -> Inputs:
+    """The training input `x` that keras_dist orders: it starts the epoch resumed after the
+    part done itself (`EpochPosition.sources_skip`)."""
     position.sources_skip = True
-    return Inputs(strategy.take_input(x, True), steps=data.steps, ordered=True)
+    return Inputs(x, steps=data.steps, ordered=True)
 
 
 _calls = itertools.count()
 
 
-def job_seed(strategy: "Strategy") -> int:
+def job_seed(replicas: "Replicas") -> int:
     """The seed of one call's epoch orders, the same on every process (the chief's).
 
     From the script's seed (`keras.utils.set_random_seed`) and the number of calls
@@ -116,4 +128,4 @@ def job_seed(strategy: "Strategy") -> int:
     script_seed = get_random_seed()
     base = int.from_bytes(os.urandom(4), "little") if script_seed is None else script_seed
     seed = int(np.random.SeedSequence([base, next(_calls)]).generate_state(1)[0])
-    return strategy.broadcast_object(seed)
+    return replicas.broadcast_object(seed)

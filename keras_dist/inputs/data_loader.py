@@ -17,41 +17,43 @@ import numpy as np
 from torch.utils import data
 
 from keras_dist.errors import KerasDistError
-from keras_dist.inputs.arrays import gather  # noqa: F401 (outputs come back interleaved, as arrays')
+from keras_dist.inputs.arrays import InterleavedOutputs
 from keras_dist.inputs.base import Inputs, job_seed, ordered_share
 from keras_dist.inputs.position import EpochPosition, rest_of_order, steps_left
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 
-def split(strategy: "Strategy", inputs: Inputs, pad: bool, purpose: str) -> Inputs:
-    """This process's samples, in a loader rebuilt around the script's dataset."""
-    loader, plan = inputs.x, strategy.input_plan
-    if plan.num_shards > 1 or plan.batch_multiplier > 1:
-        loader = _share(strategy, loader, pad)
-        # A DistributedSampler of the script's has no stand-in.
-        inputs = dataclasses.replace(inputs, stand_in=getattr(loader.sampler, "stand_in", False))
-    return dataclasses.replace(inputs, x=strategy.take_input(loader, False))
+class DataLoaderKind(InterleavedOutputs):
+    """A torch `DataLoader`, split as `DistributedSampler` splits."""
+
+    def split(self, replicas: "Replicas", inputs: Inputs, pad: bool, purpose: str) -> Inputs:
+        """This process's samples, in a loader rebuilt around the script's dataset."""
+        loader, plan = inputs.x, replicas.input_plan
+        if plan.num_shards > 1 or plan.batch_multiplier > 1:
+            loader = _share(replicas, loader, pad)
+            # A DistributedSampler of the script's has no stand-in.
+            inputs = dataclasses.replace(inputs, stand_in=getattr(loader.sampler, "stand_in", False))
+        return dataclasses.replace(inputs, x=loader)
+
+    def ordered(self, replicas: "Replicas", inputs: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
+        """The training share in keras_dist's order, unless the script split the loader itself."""
+        if is_split(inputs.x):
+            return None
+        return ordered_share(_share(replicas, inputs.x, True, position), inputs, position)
 
 
-def ordered(strategy: "Strategy", inputs: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
-    """The training share in keras_dist's order, unless the script split the loader itself."""
-    if is_split(inputs.x):
-        return None
-    return ordered_share(strategy, _share(strategy, inputs.x, True, position), inputs, position)
-
-
-def _share(strategy: "Strategy", loader: data.DataLoader, pad: bool,
+def _share(replicas: "Replicas", loader: data.DataLoader, pad: bool,
            position: EpochPosition | None = None) -> data.DataLoader:
     if is_split(loader):
         return loader  # by the script, with a DistributedSampler
-    if strategy.input_plan.collective_steps:
-        raise KerasDistError(f"backend {strategy.name!r} cannot read a torch DataLoader (its steps are "
+    if replicas.input_plan.collective_steps:
+        raise KerasDistError(f"backend {replicas.name!r} cannot read a torch DataLoader (its steps are "
                              "collectives); pass NumPy arrays, a tf.data.Dataset or a keras.utils.PyDataset")
     if position is None and shuffles(loader):
-        position = EpochPosition(seed=job_seed(strategy))  # drawn anew for each call
-    plan = strategy.input_plan
+        position = EpochPosition(seed=job_seed(replicas))  # drawn anew for each call
+    plan = replicas.input_plan
     return shard_data_loader(loader, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier, position)
 
 

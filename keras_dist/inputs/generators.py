@@ -24,36 +24,37 @@ from keras import tree
 
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs.arrays import allgather_parts, num_samples
-from keras_dist.inputs.base import Inputs
+from keras_dist.inputs.base import InputKind, Inputs
 
 if TYPE_CHECKING:
     from keras_dist.inputs.position import EpochPosition
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 
-def split(strategy: "Strategy", data: Inputs, pad: bool, purpose: str) -> Inputs:
-    """This process's batches of the stream (`GeneratorShare`); for `predict` padded too."""
-    plan = strategy.input_plan
-    if plan.num_shards > 1:
-        if plan.collective_steps or plan.batch_multiplier > 1:
-            raise KerasDistError(f"backend {strategy.name!r} cannot split a Python generator (each process "
-                                 "would feed several replicas or steps are collectives); pass NumPy arrays, "
-                                 "a tf.data.Dataset or a keras.utils.PyDataset")
-        share = GeneratorShare(data.x, plan.num_shards, plan.shard_index, pad or purpose == "predict")
-        data = dataclasses.replace(data, x=share.batches(), stand_in=share.stand_in,
-                                   generator_share=share if purpose == "predict" else None)
-    return dataclasses.replace(data, x=strategy.take_input(data.x, False))
+class GeneratorKind(InputKind):
+    """A Python generator: every N-th batch of the stream."""
 
+    def split(self, replicas: "Replicas", data: Inputs, pad: bool, purpose: str) -> Inputs:
+        """This process's batches of the stream (`GeneratorShare`); for `predict` padded too."""
+        plan = replicas.input_plan
+        if plan.num_shards > 1:
+            if plan.collective_steps or plan.batch_multiplier > 1:
+                raise KerasDistError(f"backend {replicas.name!r} cannot split a Python generator (each process "
+                                     "would feed several replicas or steps are collectives); pass NumPy arrays, "
+                                     "a tf.data.Dataset or a keras.utils.PyDataset")
+            share = GeneratorShare(data.x, plan.num_shards, plan.shard_index, pad or purpose == "predict")
+            data = dataclasses.replace(data, x=share.batches(), stand_in=share.stand_in,
+                                       generator_share=share if purpose == "predict" else None)
+        return data
 
-def ordered(strategy: "Strategy", data: Inputs, position: "EpochPosition", shuffle: bool | str) -> None:
-    """None: a generator's order is the stream's, read from its start in each process."""
-    return None
+    def ordered(self, replicas: "Replicas", data: Inputs, position: "EpochPosition", shuffle: bool | str) -> None:
+        """None: a generator's order is the stream's, read from its start in each process."""
+        return None
 
-
-def gather(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
-    """Predictions back in the stream's order, padding dropped (`reassemble`)."""
-    sizes = data.generator_share.batch_sizes
-    return tree.map_structure(lambda leaf: reassemble(allgather_parts(strategy, leaf), sizes), outputs)
+    def gather(self, replicas: "Replicas", data: Inputs, outputs: Any) -> Any:
+        """Predictions back in the stream's order, padding dropped (`reassemble`)."""
+        sizes = data.generator_share.batch_sizes
+        return tree.map_structure(lambda leaf: reassemble(allgather_parts(replicas, leaf), sizes), outputs)
 
 
 class GeneratorShare:

@@ -9,39 +9,40 @@ from keras import tree
 
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs.arrays import gather_interleaved
-from keras_dist.inputs.base import Inputs, ordered_share
+from keras_dist.inputs.base import InputKind, Inputs, ordered_share
 from keras_dist.inputs.position import EpochPosition, steps_left
 
 if TYPE_CHECKING:
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 
-def split(strategy: "Strategy", data: Inputs, pad: bool, purpose: str) -> Inputs:
-    """This process's batches (`ShardedPyDataset`); for `predict`, consecutive runs of them."""
-    plan, x = strategy.input_plan, data.x
-    if plan.num_shards > 1 or plan.batch_multiplier > 1:
-        # Collective steps end together through `equal_steps`, so no open-ended input.
-        x = ShardedPyDataset(x, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier,
-                             contiguous=purpose == "predict", equal_steps=pad or plan.collective_steps)
-        data = dataclasses.replace(data, stand_in=x.stand_in)
-    return dataclasses.replace(data, x=strategy.take_input(x, False))
+class PyDatasetKind(InputKind):
+    """A `keras.utils.PyDataset`: every N-th batch index."""
 
+    def split(self, replicas: "Replicas", data: Inputs, pad: bool, purpose: str) -> Inputs:
+        """This process's batches (`ShardedPyDataset`); for `predict`, consecutive runs of them."""
+        plan, x = replicas.input_plan, data.x
+        if plan.num_shards > 1 or plan.batch_multiplier > 1:
+            # Collective steps end together through `equal_steps`, so no open-ended input.
+            x = ShardedPyDataset(x, plan.num_shards, plan.shard_index, pad, plan.batch_multiplier,
+                                 contiguous=purpose == "predict", equal_steps=pad or plan.collective_steps)
+            data = dataclasses.replace(data, stand_in=x.stand_in)
+        return dataclasses.replace(data, x=x)
 
-def ordered(strategy: "Strategy", data: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
-    """The training batches in an order keras_dist draws per epoch, where the length is known."""
-    if data.x.num_batches is None:
-        return None
-    plan = strategy.input_plan
-    x = ShardedPyDataset(data.x, plan.num_shards, plan.shard_index, True, plan.batch_multiplier, position=position,
-                         shuffle=bool(shuffle))
-    return ordered_share(strategy, x, data, position)
+    def ordered(self, replicas: "Replicas", data: Inputs, position: EpochPosition, shuffle: bool | str) -> Inputs | None:
+        """The training batches in an order keras_dist draws per epoch, where the length is known."""
+        if data.x.num_batches is None:
+            return None
+        plan = replicas.input_plan
+        x = ShardedPyDataset(data.x, plan.num_shards, plan.shard_index, True, plan.batch_multiplier, position=position,
+                             shuffle=bool(shuffle))
+        return ordered_share(x, data, position)
 
-
-def gather(strategy: "Strategy", data: Inputs, outputs: Any) -> Any:
-    """Predictions of consecutive runs of batches: concatenated in rank order."""
-    if isinstance(data.x, ShardedPyDataset):
-        return tree.map_structure(lambda leaf: strategy.allgather_array(np.asarray(leaf)), outputs)
-    return gather_interleaved(strategy, outputs, strategy.input_plan.num_shards, data.samples)
+    def gather(self, replicas: "Replicas", data: Inputs, outputs: Any) -> Any:
+        """Predictions of consecutive runs of batches: concatenated in rank order."""
+        if isinstance(data.x, ShardedPyDataset):
+            return tree.map_structure(lambda leaf: replicas.allgather_array(np.asarray(leaf)), outputs)
+        return gather_interleaved(replicas, outputs, replicas.input_plan.num_shards, data.samples)
 
 
 class ShardedPyDataset(keras.utils.PyDataset):

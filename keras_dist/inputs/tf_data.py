@@ -42,39 +42,43 @@ from tensorflow.python.framework import op_def_registry, tensor_util
 from tensorflow.python.ops import gen_experimental_dataset_ops
 
 from keras_dist.errors import KerasDistError
-from keras_dist.inputs.arrays import gather  # noqa: F401 (outputs come back interleaved, as arrays')
+from keras_dist.inputs.arrays import InterleavedOutputs
 from keras_dist.inputs.base import STEPS, Inputs, may_stand_in, open_ended
 
 if TYPE_CHECKING:
     from tensorflow.core.framework import node_def_pb2
 
     from keras_dist.inputs.position import EpochPosition
-    from keras_dist.strategies.base import Strategy
+    from keras_dist.replicas import Replicas
 
 
-def split(strategy: "Strategy", data: Inputs, pad: bool, purpose: str) -> Inputs:
-    """This process's share of the pipeline (`shard_dataset`); with a step count the epoch ends
-    there, without one training shards are padded to equal steps."""
-    plan, source = strategy.input_plan, data.x
-    if plan.num_shards > 1 and data.steps is None and is_infinite(source):
-        caller = "fit" if purpose == "validation" else purpose
-        raise KerasDistError(f"the dataset is infinite (it repeats); pass {STEPS[purpose]} to {caller}")
-    share, equal_steps = shard_dataset(source, plan.num_shards, plan.shard_index, pad and data.steps is None,
-                                       plan.batch_multiplier, files=purpose != "predict",
-                                       allgather=strategy.allgather_object)
-    if may_stand_in(plan, pad) and is_empty(share):
-        share = source.take(1)  # the first batch stands in for an empty share
-        data = dataclasses.replace(data, stand_in=True)
-    data = dataclasses.replace(data, x=share)
-    if not pad and plan.collective_steps:
-        data = Inputs(open_ended(share), steps=data.steps)
-    return dataclasses.replace(data, x=strategy.take_input(data.x, equal_steps))
+class TFDataKind(InterleavedOutputs):
+    """A `tf.data.Dataset`: its pipeline is rewritten so each process reads and preprocesses its share."""
 
+    def split(self, replicas: "Replicas", data: Inputs, pad: bool, purpose: str) -> Inputs:
+        """This process's share of the pipeline (`shard_dataset`); with a step count the epoch ends
+        there, without one training shards are padded to equal steps."""
+        plan, source = replicas.input_plan, data.x
+        if plan.num_shards > 1 and data.steps is None and is_infinite(source):
+            caller = "fit" if purpose == "validation" else purpose
+            raise KerasDistError(f"the dataset is infinite (it repeats); pass {STEPS[purpose]} to {caller}")
+        share, equal_steps = shard_dataset(source, plan.num_shards, plan.shard_index, pad and data.steps is None,
+                                           plan.batch_multiplier, files=purpose != "predict",
+                                           allgather=replicas.allgather_object)
+        if may_stand_in(plan, pad) and is_empty(share):
+            share = source.take(1)  # the first batch stands in for an empty share
+            data = dataclasses.replace(data, stand_in=True)
+        data = dataclasses.replace(data, x=share)
+        if not pad and plan.collective_steps:
+            data = Inputs(open_ended(share), steps=data.steps)
+        if equal_steps and plan.equal_step_datasets is not None:
+            plan.equal_step_datasets.add(data.x)
+        return data
 
-def ordered(strategy: "Strategy", data: Inputs, position: "EpochPosition", shuffle: bool | str) -> None:
-    """None: a pipeline's order is its own (its shuffles, seeded or not); a resumed epoch reads
-    it from the start and drops the batches done."""
-    return None
+    def ordered(self, replicas: "Replicas", data: Inputs, position: "EpochPosition", shuffle: bool | str) -> None:
+        """None: a pipeline's order is its own (its shuffles, seeded or not); a resumed epoch reads
+        it from the start and drops the batches done."""
+        return None
 
 
 def dataset_batch_size(dataset: tf.data.Dataset) -> tuple[int, bool]:

@@ -1,8 +1,11 @@
 """The strategy interface: how Keras 3 trains on N replicas, whatever launched the processes.
 
-The rest of keras_dist (compile/fit wrapping, callbacks, input sharding, the CLI) talks
-to a strategy only through this class, so a new one is one module beside the others plus
-one line in `keras_dist.strategies.REGISTRY`. Who a process is comes from its cluster
+A strategy is an engine adapter: it sets its framework up in the process, builds the
+model under it and combines gradients; compile and `fit`'s wrapping (`keras_dist.training`)
+talk to it through this class. What the rooms under it receive (input, callbacks, fault
+tolerance, the console) is the smaller `keras_dist.replicas.Replicas`, which every strategy
+implements. A new strategy is one module beside the others plus one line in
+`keras_dist.strategies.REGISTRY`. Who a process is comes from its cluster
 environment (`keras_dist.environments`); what starts a local cluster is a launcher
 (`keras_dist.launchers`), which the strategy's registry entry names.
 
@@ -15,8 +18,6 @@ Three families fit behind it:
 * one computation over every process's devices (JAX): XLA reduces inside the step.
 """
 
-import abc
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -26,11 +27,11 @@ import numpy as np
 from keras_dist import timeouts
 from keras_dist.collectives import SINGLE, Collectives
 from keras_dist.environments import ClusterEnvironment, LocalEnvironment
+from keras_dist.replicas import Replicas
 from keras_dist.settings import Settings
 
 if TYPE_CHECKING:
     import keras
-
 
 
 @dataclass(frozen=True)
@@ -79,35 +80,12 @@ def buckets(sizes: list[int], dtypes: list, limit: int, first: int | None = None
     return runs
 
 
-@dataclass(frozen=True)
-class InputPlan:
-    """How one process reads the script's inputs: the backend's answer, as plain data.
-
-    `keras_dist.inputs` applies it once, the same way for every backend.
-
-    Args:
-        num_shards: into how many interleaved shards the inputs are split (one per
-            process that reads; 1: this process reads everything).
-        shard_index: this process's shard.
-        batch_multiplier: this process's batch is the script's batch times this (the
-            replicas one process feeds: a script's batch size is per replica).
-        collective_steps: every step is a collective, so evaluation and prediction
-            shards that differ in length must still end together on every process.
-    """
-
-    num_shards: int = 1
-    shard_index: int = 0
-    batch_multiplier: int = 1
-    collective_steps: bool = False
-
-
-class Strategy(abc.ABC):
+class Strategy(Replicas):
     """One way of running a Keras 3 model on several replicas.
 
     keras_dist calls the strategy a process runs its *backend*: `keras_dist.init(backend=...)`
-    and `KERAS_DIST_BACKEND` pick one by `name`. Process topology is in processes (`rank`,
-    `size`); `num_replicas` counts model replicas, which is larger than `size` when one
-    process drives several devices.
+    and `KERAS_DIST_BACKEND` pick one by `name`. Topology, host collectives, the input
+    plan, metric states and the file policy are `Replicas`'s.
 
     Args:
         environment: this process's place in its job, as its launcher set it
@@ -119,7 +97,6 @@ class Strategy(abc.ABC):
             environment variable itself. None: the defaults (tests).
     """
 
-    name: ClassVar[str] = ""
     # True when Keras's step computes gradients and metric states from this process's
     # batches alone, and keras_dist's hooks must reduce them (Horovod, PyTorch); False
     # when the framework's step reduces them itself (tf.distribute, JAX).
@@ -175,51 +152,16 @@ class Strategy(abc.ABC):
         are set, before the script builds anything: the place for what the framework does
         once per process (a process group, a TensorFlow server, the local GPU)."""
 
-    # --- topology -------------------------------------------------------------
+    # --- topology: the job's, as its collectives number the processes ---------
     @property
     def rank(self) -> int:
-        """This process's index among `size` processes, as its collectives number them."""
         return self.collectives.rank
 
     @property
     def size(self) -> int:
         return self.collectives.size
 
-    @property
-    def local_rank(self) -> int:
-        return self.environment.local_rank if self.size > 1 else 0
-
-    @property
-    def is_chief(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def num_replicas(self) -> int:
-        return self.size
-
-    @property
-    def replicas_per_process(self) -> int:
-        """Replicas fed by one process: its input batch is this times the script's."""
-        return self.num_replicas // self.size
-
-    @property
-    def input_plan(self) -> InputPlan:
-        """How this process reads the script's inputs (default: one shard per process)."""
-        return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
-
-    def take_input(self, x: Any, equal_steps: bool) -> Any:
-        """What Keras reads for this process's split input `x` (default: `x` itself).
-
-        `equal_steps`: every process's `x` is known to give the same number of batches of
-        the same sizes (a padded training shard).
-        """
-        return x
-
     # --- model and optimizer --------------------------------------------------
-    def scope(self) -> contextlib.AbstractContextManager[Any]:
-        """Context under which the model's and optimizer's variables must be created."""
-        return contextlib.nullcontext()
-
     def compile_defaults(self) -> dict:
         """`model.compile` arguments this backend needs unless the user gave them."""
         return {}
@@ -231,11 +173,6 @@ class Strategy(abc.ABC):
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
         """Returns the model to train (the same object unless variables had to move)."""
         return model
-
-    def process_local_steps(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
-        """Context in which `evaluate` and `predict` run: where the backend's steps are
-        global computations, it makes them run on this process's shard alone."""
-        return contextlib.nullcontext()
 
     def run_loop(self, method: str, model: "keras.Model", keras_method: Callable[..., Any], arguments: dict) -> Any:
         """Runs `model.fit`, `evaluate` or `predict` (`method`) with this worker's arguments.
@@ -253,55 +190,24 @@ class Strategy(abc.ABC):
         """Sums a list of tensors over processes inside a train step (a `tf.function`, or an eager torch step)."""
         return tensors
 
-    # --- host-side collectives (eager, outside the train step): `self.collectives` -------
+    # --- host collectives (`Replicas`'s), through `self.collectives` ----------------
     def allgather_object(self, obj: Any) -> list:
-        """Every process's `obj`, in rank order, on every process."""
         return self.collectives.allgather_object(obj)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self.collectives.broadcast_object(obj, root)
 
     def broadcast_variables(self, variables: Sequence["keras.Variable"], root: int = 0) -> None:
-        """Overwrites `variables` on every process with their values on `root`."""
         self.collectives.broadcast_variables(variables, root)
 
     def allgather_array(self, array: np.ndarray) -> np.ndarray:
-        """Concatenates NumPy arrays of possibly different lengths, in rank order."""
         return self.collectives.allgather_array(array)
 
     def sum_arrays(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        """Each NumPy array summed over processes (same shapes on every process), as a list."""
         return self.collectives.sum_arrays(arrays)
-
-    def global_metric_states(self, variables: Sequence["keras.Variable"]) -> list:
-        """The values of metric state `variables` over every process's batches, as NumPy arrays.
-
-        By default each process holds its own share, summed here on the host.
-        """
-        import keras
-
-        return self.sum_arrays([keras.ops.convert_to_numpy(v.value) for v in variables])
-
-    def assign_metric_states(self, variables: Sequence["keras.Variable"], global_states: Sequence[np.ndarray]) -> None:
-        """Sets metric state `variables` so that their sum over processes is `global_states`
-        (`global_metric_states` inverted, to resume an epoch): the chief holds them, by
-        default, the others zero."""
-        for variable, value in zip(variables, global_states):
-            variable.assign(value if self.is_chief else np.zeros_like(value))
 
     def barrier(self) -> None:
         self.collectives.barrier()
 
-    def chief_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
-        """A checkpoint or log callback as the chief runs it."""
-        return callback
-
-    def worker_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback | None":
-        """What a worker other than the chief runs for a checkpoint or log callback: None
-        (the default) to drop it, or a callback that takes part in collective saves
-        without writing the user's files."""
-        return None
-
     def describe(self) -> dict:
-        return {"backend": self.name, "rank": self.rank, "size": self.size,
-                "local_rank": self.local_rank, "num_replicas": self.num_replicas, **self.collectives.describe()}
+        return {**super().describe(), **self.collectives.describe()}

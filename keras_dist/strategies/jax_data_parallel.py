@@ -39,7 +39,7 @@ from keras_dist import environments, keras_internals, keras_workarounds_jax, net
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
-from keras_dist.strategies.base import Strategy, GradientOptions, InputPlan
+from keras_dist.strategies.base import Strategy, GradientOptions
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
 from keras_dist.overrides import override
 from keras_dist.settings import Settings
@@ -278,11 +278,6 @@ class JaxDataParallelStrategy(Strategy):
     @property
     def num_replicas(self) -> int:
         return self._jax.device_count()
-
-    @property
-    def input_plan(self) -> InputPlan:
-        # Evaluation and prediction steps run per process (`process_local_steps`).
-        return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
 
     def prepare_model(self, model: keras.Model) -> keras.Model:
         keras_workarounds_jax.metric_resets_keep_their_layout(model, _replicate)

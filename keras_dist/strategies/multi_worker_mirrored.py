@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from keras_dist import keras_workarounds, timeouts
 from keras_dist.collectives.tf_distribute import TFDistribute
-from keras_dist.strategies.base import InputPlan, bucket_bytes
+from keras_dist.replicas import InputPlan
+from keras_dist.strategies.base import bucket_bytes
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
-from keras_dist.callbacks.scratch import ScratchCallback
+from keras_dist.strategies.scratch import ScratchCallback
 from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, detected_cluster, threads_per_process
 from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.launchers import binding
@@ -131,14 +132,8 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
     @property
     def input_plan(self) -> InputPlan:
         # Every step is a collective: uneven evaluation shards must still end together.
-        return dataclasses.replace(super().input_plan, collective_steps=True)
-
-    def take_input(self, x: Any, equal_steps: bool) -> Any:
-        from keras_dist.inputs import is_tf_dataset
-
-        if equal_steps and is_tf_dataset(x):  # arrays become a dataset later, inside Keras
-            self.strategy.equal_steps.add(x)
-        return x
+        return dataclasses.replace(super().input_plan, collective_steps=True,
+                                   equal_step_datasets=self.strategy.equal_steps)
 
     def worker_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
         # Saving is a collective too: the other workers save into scratch directories.
@@ -223,7 +218,8 @@ def _make_strategy(chosen: Settings) -> "tf.distribute.MultiWorkerMirroredStrate
             # as soon as its gradients exist, while the backward pass goes on.
             packs = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=bucket_bytes(PACK_BYTES, chosen))
             super().__init__(communication_options=packs)
-            # Shards every worker reads in batches of the same number and sizes (`take_input`).
+            # Shards every worker reads in batches of the same number and sizes
+            # (`InputPlan.equal_step_datasets`).
             self.equal_steps = weakref.WeakSet()
 
         def experimental_distribute_dataset(self, dataset, options=None):

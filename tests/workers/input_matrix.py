@@ -28,7 +28,7 @@ from keras_dist import inputs
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs.generators import reassemble
 from keras_dist.inputs.position import EpochPosition
-from keras_dist.strategies.base import InputPlan
+from keras_dist.replicas import Replicas
 
 BACKEND = keras.backend.backend()
 SIZES = (0, 1, 2, 3, 4, 7)
@@ -36,21 +36,27 @@ PROCESSES = (1, 2, 3)
 PURPOSES = ("fit_validation_split", "fit_validation_data", "evaluate", "predict")
 
 
-class SimulatedRank:
-    """What `keras_dist.inputs` asks of a strategy, for rank `index` of `num_shards`."""
+class SimulatedRank(Replicas):
+    """Rank `index` of a job of `num_shards` processes, as `keras_dist.inputs` sees it, with
+    no collective: a split that needed one fails the case."""
 
     name = "simulated"
 
     def __init__(self, num_shards, index):
-        self.input_plan = InputPlan(num_shards=num_shards, shard_index=index)
+        self._size, self._rank = num_shards, index
 
-    def take_input(self, x, equal_steps):
-        return x
+    @property
+    def rank(self):
+        return self._rank
 
-    def allgather_object(self, obj):
+    @property
+    def size(self):
+        return self._size
+
+    def allgather_object(self, *args, **kwargs):
         raise AssertionError("arrays are split without collectives")
 
-    broadcast_object = allgather_object
+    broadcast_object = broadcast_variables = allgather_array = sum_arrays = barrier = allgather_object
 
 
 def ids(n, width=2):

@@ -1,0 +1,168 @@
+"""The job as input, callbacks, fault tolerance and the console see it: `Replicas`.
+
+A strategy (`keras_dist.strategies`) is an engine adapter: it sets a framework up, builds
+the model under it and reduces gradients. What the rooms under it need of the job is
+smaller, and is this interface: who this process is among how many (topology), the host
+collectives between processes, how the process reads its inputs (`InputPlan`, plain data),
+the metric states of every process's batches, and the file policy for the chief's
+callbacks. Every strategy implements it; so does the tests' simulated rank, which splits
+inputs as one rank of a job would without any collective.
+"""
+
+import abc
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import keras
+
+    from keras_dist.environments import ClusterEnvironment
+    from keras_dist.settings import Settings
+    from keras_dist.timeouts import StepTimeout
+
+
+@dataclasses.dataclass(frozen=True)
+class InputPlan:
+    """How one process reads the script's inputs: the backend's answer, as plain data.
+
+    `keras_dist.inputs` applies it once, the same way for every backend.
+
+    Args:
+        num_shards: into how many interleaved shards the inputs are split (one per
+            process that reads; 1: this process reads everything).
+        shard_index: this process's shard.
+        batch_multiplier: this process's batch is the script's batch times this (the
+            replicas one process feeds: a script's batch size is per replica).
+        collective_steps: every step is a collective, so evaluation and prediction
+            shards that differ in length must still end together on every process.
+        equal_step_datasets: where the engine must know which `tf.data` shards give every
+            process the same batches (MultiWorkerMirrored, which otherwise stops each
+            epoch by a collective vote), the set `keras_dist.inputs` adds them to; None
+            where no engine asks.
+    """
+
+    num_shards: int = 1
+    shard_index: int = 0
+    batch_multiplier: int = 1
+    collective_steps: bool = False
+    equal_step_datasets: "weakref.WeakSet | None" = dataclasses.field(default=None, compare=False)
+
+
+class Replicas(abc.ABC):
+    """One process's view of its job: topology, host collectives, input plan, metric states.
+
+    `rank` and `size` count processes; `num_replicas` counts model replicas, larger than
+    `size` where one process drives several devices. The host collectives run eagerly,
+    outside a train step, and every process of the job must call them in the same order.
+    """
+
+    name: ClassVar[str] = ""
+    # Where the rooms under the strategies read a setting (SLURM requeue) or a wait's bound.
+    settings: "Settings"
+    step_timeout: "StepTimeout"
+    environment: "ClusterEnvironment"
+
+    # --- topology -------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's index among `size` processes."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """How many processes the job has."""
+
+    @property
+    def local_rank(self) -> int:
+        return self.environment.local_rank if self.size > 1 else 0
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_replicas(self) -> int:
+        return self.size
+
+    @property
+    def replicas_per_process(self) -> int:
+        """Replicas fed by one process: its input batch is this times the script's."""
+        return self.num_replicas // self.size
+
+    @property
+    def input_plan(self) -> InputPlan:
+        """How this process reads the script's inputs (default: one shard per process)."""
+        return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
+
+    # --- host collectives -------------------------------------------------------
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any) -> list:
+        """Every process's `obj`, in rank order, on every process."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """`root`'s `obj` on every process."""
+
+    @abc.abstractmethod
+    def broadcast_variables(self, variables: Sequence["keras.Variable"], root: int = 0) -> None:
+        """Overwrites `variables` on every process with their values on `root`."""
+
+    @abc.abstractmethod
+    def allgather_array(self, array: np.ndarray) -> np.ndarray:
+        """Concatenates NumPy arrays of possibly different lengths, in rank order."""
+
+    @abc.abstractmethod
+    def sum_arrays(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """Each NumPy array summed over processes (same shapes on every process), as a list."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Returns once every process has called it."""
+
+    # --- metric states ------------------------------------------------------------
+    def global_metric_states(self, variables: Sequence["keras.Variable"]) -> list:
+        """The values of metric state `variables` over every process's batches, as NumPy arrays.
+
+        By default each process holds its own share, summed here on the host.
+        """
+        import keras
+
+        return self.sum_arrays([keras.ops.convert_to_numpy(v.value) for v in variables])
+
+    def assign_metric_states(self, variables: Sequence["keras.Variable"], global_states: Sequence[np.ndarray]) -> None:
+        """Sets metric state `variables` so that their sum over processes is `global_states`
+        (`global_metric_states` inverted, to resume an epoch): the chief holds them, by
+        default, the others zero."""
+        for variable, value in zip(variables, global_states):
+            variable.assign(value if self.is_chief else np.zeros_like(value))
+
+    # --- where variables live and steps run -----------------------------------------
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Context under which the model's and optimizer's variables must be created."""
+        return contextlib.nullcontext()
+
+    def process_local_steps(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
+        """Context in which `evaluate` and `predict` run: where the backend's steps are
+        global computations, it makes them run on this process's shard alone."""
+        return contextlib.nullcontext()
+
+    # --- file policy -------------------------------------------------------------
+    def chief_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
+        """A checkpoint or log callback as the chief runs it."""
+        return callback
+
+    def worker_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback | None":
+        """What a worker other than the chief runs for a checkpoint or log callback: None
+        (the default) to drop it, or a callback that takes part in collective saves
+        without writing the user's files."""
+        return None
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "rank": self.rank, "size": self.size,
+                "local_rank": self.local_rank, "num_replicas": self.num_replicas}
