@@ -173,6 +173,9 @@ class MPIEnvironment(ClusterEnvironment):
 
     store: str | None = None
     hostname: str | None = None
+    # Started by horovodrun (or `keras-dist launch --backend horovod`): Horovod's own
+    # collectives can join, whatever the Keras backend.
+    horovodrun: bool = False
 
     name = "mpi"
     RANK = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -193,7 +196,7 @@ class MPIEnvironment(ClusterEnvironment):
         return cls(rank=rank, size=_first(environ, cls.SIZE, rank + 1),
                    local_rank=_first(environ, cls.LOCAL_RANK, 0), local_size=_first(environ, cls.LOCAL_SIZE, 1),
                    coordinator=_rendezvous(environ) or (None if store else _open_mpi_launcher(environ)),
-                   store=store, hostname=environ.get("HOROVOD_HOSTNAME"))
+                   store=store, hostname=environ.get("HOROVOD_HOSTNAME"), horovodrun="HOROVOD_RANK" in environ)
 
     def put(self, key: str, value: str, timeout: float = 30) -> None:
         """Stores `value` under `key` (no "/": the store's paths are scope/key) in Horovod's rendezvous store."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from keras_dist import keras_internals, keras_workarounds_torch, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
-from keras_dist.environments import ClusterEnvironment
+from keras_dist.environments import ClusterEnvironment, MPIEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
 from keras_dist.settings import Settings
@@ -84,7 +84,7 @@ class TorchDistributedStrategy(Strategy):
             # Processes sharing this machine would each size a thread pool for all of it.
             torch.set_num_threads(environment.threads_per_process)
         _take_local_gpu(environment)  # again: `keras_dist.init(backend="torch")` chose this strategy after import
-        self.collectives = _collectives(torch, environment, self.settings.variables, self.step_timeout)
+        self.collectives = _collectives(torch, environment, self.step_timeout)
         self.in_train_step = False  # gradient hooks start collectives only inside train steps
         # id(optimizer) -> its OverlappedGradients. Dropped at each compile, on every process
         # alike: hooks left to the garbage collector would start collectives on some only.
@@ -201,10 +201,9 @@ def _take_local_gpu(environment: ClusterEnvironment) -> None:
         torch.cuda.set_device(environment.local_rank % torch.cuda.device_count())
 
 
-def _collectives(torch: Any, environment: ClusterEnvironment, variables: Mapping[str, str],
-                 step_timeout: timeouts.StepTimeout) -> "Collectives":
+def _collectives(torch: Any, environment: ClusterEnvironment, step_timeout: timeouts.StepTimeout) -> "Collectives":
     """Horovod's torch operations under horovodrun where Horovod was built for PyTorch, else torch.distributed."""
-    if "HOROVOD_RANK" in variables:  # horovodrun, or `keras-dist launch --backend horovod`
+    if isinstance(environment, MPIEnvironment) and environment.horovodrun:
         try:
             import horovod.torch as hvd
         except Exception:  # not installed, or built without PyTorch (Horovod raises its own errors)
