@@ -138,10 +138,6 @@ def distribute_dataset(dataset: "tf.data.Dataset", training: bool = True) -> "tf
         ...
     ```
     """
-    from keras_dist.inputs import tf_data
+    from keras_dist import inputs
 
-    strategy = current()
-    plan = strategy.input_plan
-    shard, _ = tf_data.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
-                                     allgather=strategy.allgather_object)
-    return shard
+    return inputs.dataset_share(current(), dataset, training)

@@ -67,6 +67,13 @@ def test_each_worker_preprocesses_only_its_interleaved_share(workers, case):
         assert 40 < sum(i % 2 for i in rank0) < 85, rank0
 
 
+def test_distribute_dataset_gives_a_loop_of_the_scripts_own_its_interleaved_share(workers):
+    unpadded = [w["distribute_dataset"]["False"] for w in workers]
+    assert unpadded == [[[0, 2], [4, 6], [8]], [[1, 3], [5, 7], [9]]]
+    padded = [w["distribute_dataset"]["True"] for w in workers]
+    assert [len(p) for p in padded] == [3, 3] and sorted(sum(sum(padded, []), [])) == list(range(10))
+
+
 def test_seeded_shuffle_keeps_one_process_order_split_interleaved(workers):
     order = workers[0]["one_process_order"]
     rank0, rank1 = mapped(workers, "seeded_shuffle")

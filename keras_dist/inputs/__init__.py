@@ -144,6 +144,18 @@ def gather_predictions(replicas: "Replicas", data: Inputs, outputs: Any) -> Any:
     return data.kind.gather(replicas, data, outputs)
 
 
+def dataset_share(replicas: "Replicas", dataset: Any, training: bool) -> Any:
+    """This process's share of a batched `tf.data.Dataset`, whole batches per replica, for
+    loops of the script's own (`keras_dist.distribute_dataset`); `training` pads the shards
+    to equal length, as `fit` does."""
+    from keras_dist.inputs import tf_data
+
+    plan = replicas.input_plan
+    share, _ = tf_data.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
+                                     allgather=replicas.allgather_object)
+    return share
+
+
 def as_validation_data(validation: Inputs) -> Any:
     """What `fit` takes as `validation_data`, for the split `validation`."""
     is_arrays = arrays.is_array_input(validation.x)

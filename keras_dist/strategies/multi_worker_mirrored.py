@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 
 # Gradient bytes per all-reduce (TensorFlow's CommunicationOptions.bytes_per_pack; 0: one
-# for all). bench/hosts.py, the CNN between two hosts at 200 Mbit/s: 908 samples/s with
-# 256 KiB, 626 with 64 KiB, 555 with 1 MiB, 247 with one pack; the MLP 375-385 with any.
+# for all): the fastest of those measured between two hosts on a slow link
+# (bench/results/2026-11-25-cpu-2core-hosts.md).
 PACK_BYTES = 2**18
 # Created by `prepare_process`: collective ops must be configured at program start-up.
 _strategy = None
@@ -228,10 +228,9 @@ def _make_strategy(chosen: Settings) -> "tf.distribute.MultiWorkerMirroredStrate
             equal_steps = dataset in self.equal_steps
             if dataset.options().autotune.enabled is None:
                 # Without tf.data's autotuning thread, unless the script asks for it: freeing
-                # an iterator waits for that thread, which here woke only between rounds
-                # up to a minute apart. A resumed chief on two hosts took 25 and 59 s to
-                # free one after fit, or outlived the job's deadline at exit (2 runs in 4).
-                # AUTOTUNE parallelism stays at its starting value.
+                # an iterator waits for that thread, which may sleep up to a minute between
+                # rounds, so a worker could outlive the job's deadline at exit
+                # (docs/backends.md). AUTOTUNE parallelism stays at its starting value.
                 no_autotune = tf.data.Options()
                 no_autotune.autotune.enabled = False
                 dataset = dataset.with_options(no_autotune)

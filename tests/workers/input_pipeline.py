@@ -100,6 +100,9 @@ if __name__ == "__main__":
         "one_file": fit(tf.data.TFRecordDataset(files[0]).map(parse).map(features).batch(8)),
         "filtered": fit(tf.data.Dataset.range(250).filter(lambda i: i % 5 > 0).map(features).batch(8)),
         "bad_inputs": bad_inputs(),
+        # A loop of the script's own: the share of 10 elements in batches of 2, padded (training) or not.
+        "distribute_dataset": {str(training): [b.tolist() for b in keras_dist.distribute_dataset(
+            tf.data.Dataset.range(10).batch(2), training=training).as_numpy_iterator()] for training in (True, False)},
         # One process's order of the seeded shuffle above (it depends on the global seed).
         "one_process_order": [int(i) for i in tf.data.Dataset.range(250).shuffle(100, seed=4).as_numpy_iterator()],
     }
