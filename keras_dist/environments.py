@@ -20,6 +20,7 @@ import os
 import pkgutil
 import re
 import socket
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -362,6 +363,60 @@ class TFConfigEnvironment(ClusterEnvironment):
                    coordinator=trainers[0] if trainers else None, cluster=cluster, task_type=kind, task_index=index)
 
 
+def _ray_train_context():
+    """The Ray Train context of this process, where it is a Ray Train worker (its training
+    function runs here); else None. Never imports Ray: a Ray Train worker has imported
+    `ray.train` before it runs the training function."""
+    train = sys.modules.get("ray.train")
+    if train is None:
+        return None
+    try:
+        return train.get_context()
+    except Exception:  # outside a training function: Ray raises (RuntimeError, or its own)
+        return None
+
+
+class RayTrainEnvironment(ClusterEnvironment):
+    """A Ray Train worker (any trainer: `TorchTrainer`, `JaxTrainer`, `DataParallelTrainer`):
+    rank, size and the place on its node from Ray Train's context, which every trainer sets,
+    where only some set variables (`TorchTrainer` torchrun's, on CPUs `JaxTrainer` none).
+    Ray names no rendezvous for keras_dist's own process group (the torch one a
+    `TorchTrainer` started is used as it is): rank 0 picks a free port on its node and
+    sends it to the others through Ray Train (`rendezvous`); its port is not `MASTER_PORT`,
+    where rank 0 of a `TorchTrainer` already serves torch's store."""
+
+    name = "ray_train"
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str]) -> bool:
+        return "RAY_RAYLET_PID" in environ and _ray_train_context() is not None  # a Ray worker process
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> "RayTrainEnvironment":
+        context = _ray_train_context()
+        return cls(rank=context.get_world_rank(), size=context.get_world_size(), local_rank=context.get_local_rank(),
+                   local_size=context.get_local_world_size())
+
+    def rendezvous(self) -> str | None:
+        if self.size == 1:
+            return None
+        try:
+            from ray.train.collective import broadcast_from_rank_zero
+        except ImportError:  # Ray Train v1 (RAY_TRAIN_V2_ENABLED=0) has no collectives
+            raise KerasDistError("under Ray Train v1 keras_dist cannot agree on a coordinator; run Ray Train v2 "
+                                 "(RAY_TRAIN_V2_ENABLED=1, the default), or use TorchTrainer on PyTorch") from None
+        address = None
+        if self.is_chief:
+            import ray.util
+
+            host = ray.util.get_node_ip_address()
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.bind((host, 0))
+                port = probe.getsockname()[1]
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return broadcast_from_rank_zero(address)
+
+
 class TorchrunEnvironment(ClusterEnvironment):
     """`torchrun` / `torch.distributed.launch`, and launchers that mimic them."""
 
@@ -502,9 +557,12 @@ class LocalEnvironment(ClusterEnvironment):
 
 
 # Detection order: the first whose launcher is present wins. `horovodrun` under `srun`
-# sets both, and Horovod's own variables describe the processes that train.
-ENVIRONMENTS = (MPIEnvironment, TFConfigEnvironment, TorchrunEnvironment, SlurmEnvironment, TPUSliceEnvironment,
-                KubeflowEnvironment, KerasDistributionEnvironment, LocalEnvironment)
+# sets both, and Horovod's own variables describe the processes that train. Ray Train's
+# `TorchTrainer` sets torchrun's variables, whose `MASTER_PORT` its torch store holds:
+# Ray Train's own context wins (`TensorflowTrainer`'s TF_CONFIG, which the TensorFlow
+# strategies need, wins over it).
+ENVIRONMENTS = (MPIEnvironment, TFConfigEnvironment, RayTrainEnvironment, TorchrunEnvironment, SlurmEnvironment,
+                TPUSliceEnvironment, KubeflowEnvironment, KerasDistributionEnvironment, LocalEnvironment)
 
 
 def detect(environ: Mapping[str, str]) -> ClusterEnvironment:

@@ -106,6 +106,12 @@ def variables_to_bind(variables: Mapping[str, str], address: str) -> dict[str, s
     if variables.get(BIND_ADDRESS_VARIABLE) == address and str(BIND_LIBRARY) in _preloaded(variables):
         # Set up already (by a launcher or our own restart): the dynamic loader refused the library.
         raise KerasDistError(f"{BIND_LIBRARY} is in LD_PRELOAD but was not loaded (see the loader's message above); {_OPT_OUT}")
+    if "RAY_RAYLET_PID" in variables:
+        # A Ray worker (a Ray Train worker's actor) cannot start again: its raylet would lose it.
+        logger.warning("keras_dist: a Ray worker cannot restart to listen on %s only, so its TensorFlow server "
+                       "listens on all interfaces: keep the Ray cluster on a private network (%s=1 says so and "
+                       "silences this line)", address, BIND_ALL_VARIABLE)
+        return {}
     if sys.argv[0] in ("", "-") or not sys.executable:
         raise KerasDistError(
             f"an interactive Python cannot restart itself to listen on {address} only; start it with "
