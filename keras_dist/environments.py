@@ -86,6 +86,11 @@ class ClusterEnvironment:
         """
         return self.coordinator
 
+    def server_rendezvous(self) -> str | None:
+        """`host:port` where a process group whose server rank 0 starts itself meets (JAX's
+        coordinator); `rendezvous` unless the launcher's own server holds that port."""
+        return self.rendezvous()
+
     @property
     def threads_per_process(self) -> int:
         """This machine's cores shared among its `local_size` processes: each sizes its thread
@@ -417,8 +422,14 @@ class RayTrainEnvironment(ClusterEnvironment):
         return broadcast_from_rank_zero(address)
 
 
+@dataclass(frozen=True)
 class TorchrunEnvironment(ClusterEnvironment):
     """`torchrun` / `torch.distributed.launch`, and launchers that mimic them."""
+
+    # Under torchrun itself, its agent's store serves MASTER_PORT (torch's process group joins
+    # it as a client); the attempt numbers what the store keeps across restarts.
+    agent_store: bool = False
+    attempt: int = 0
 
     name = "torchrun"
     REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -427,7 +438,32 @@ class TorchrunEnvironment(ClusterEnvironment):
     def from_environ(cls, environ: Mapping[str, str]) -> "TorchrunEnvironment":
         return cls(rank=_first(environ, ["RANK"]), size=_first(environ, ["WORLD_SIZE"]),
                    local_rank=_first(environ, ["LOCAL_RANK"], 0), local_size=_first(environ, ["LOCAL_WORLD_SIZE"], 1),
-                   coordinator=f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}")
+                   coordinator=f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}",
+                   agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                   attempt=_first(environ, ["TORCHELASTIC_RESTART_COUNT"], 0))
+
+    def server_rendezvous(self) -> str | None:
+        if not self.agent_store or self.size == 1:
+            return self.rendezvous()
+        # Rank 0 picks a free port on the address it reaches the agent's store from, and
+        # publishes it there (torch is installed wherever torchrun runs).
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        host, port = self.coordinator.rsplit(":", 1)
+        store = TCPStore(host.strip("[]"), int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_SECONDS))
+        key = f"keras_dist/coordinator/{self.attempt}"
+        if not self.is_chief:
+            return store.get(key).decode()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=RENDEZVOUS_TIMEOUT_SECONDS) as probe:
+            own = probe.getsockname()[0]
+        with socket.socket(socket.AF_INET6 if ":" in own else socket.AF_INET) as free:
+            free.bind((own, 0))
+            address = f"[{own}]:{free.getsockname()[1]}" if ":" in own else f"{own}:{free.getsockname()[1]}"
+        store.set(key, address)
+        return address
 
 
 class SlurmEnvironment(ClusterEnvironment):

@@ -99,3 +99,19 @@ def test_a_jax_process_started_alone_with_several_devices_trains_as_one_device_a
                        env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     assert code == 0 and "4 replicas in 1 process on 1 machine" in output, output[-3000:]
     assert_trains_like(results(out, 1)[0], reference(tmp_path, "jax"))
+
+
+def test_torchrun_starting_jax_processes_trains_them_as_one_at_the_global_batch(tmp_path):
+    # torchrun's agent holds MASTER_PORT (its store): JAX's coordinator takes a port of its own,
+    # which rank 0 publishes in that store (before, rank 0 failed to start its RPC server).
+    pytest.importorskip("jax")
+    pytest.importorskip("torch")
+    out = tmp_path / "torchrun"
+    out.mkdir()
+    code, output = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, WORKER, out,
+                        "--batch", GLOBAL_BATCH // 2, "--adam"], 300, env={"KERAS_BACKEND": "jax"})
+    assert code == 0, output[-4000:]
+    assert "2 replicas in 2 processes on 1 machine (cluster environment: torchrun)" in output, output[-3000:]
+    expected = reference(tmp_path, "jax")
+    for result in results(out, 2):
+        assert_trains_like(result, expected)

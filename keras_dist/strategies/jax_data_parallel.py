@@ -63,7 +63,7 @@ def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> N
     import jax
 
     if environment.size > 1:
-        coordinator = environment.rendezvous()
+        coordinator = environment.server_rendezvous()
         if coordinator is None:
             raise KerasDistError(
                 f"the {environment.name} launcher names no coordinator for JAX's process group; set "
