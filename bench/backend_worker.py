@@ -86,7 +86,9 @@ def keras_run(rank, size, windows, compile_model, own_share=False):
 
     keras.utils.set_random_seed(0)
     model = keras_model()
-    compile_model(model, optimizer=keras.optimizers.SGD(0.01),
+    # BENCH_OPTIMIZER=adam: an optimizer with state (bench/run.py's keras_dist_adam_2, keras_dist_shard_2).
+    optimizer = keras.optimizers.Adam(0.001) if os.environ.get("BENCH_OPTIMIZER") == "adam" else keras.optimizers.SGD(0.01)
+    compile_model(model, optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = arrays(STEPS * BATCH * size)
     if own_share:
@@ -236,7 +238,8 @@ def main():
         ctx = keras_dist.init()
         rank, size, windows = ctx.rank, ctx.size, windows_for(ctx.rank)
         params = keras_run(rank, size, windows, lambda model, **kw: keras_dist.compile(
-            model, gradient_compression=os.environ.get("BENCH_COMPRESSION") or None, **kw))
+            model, gradient_compression=os.environ.get("BENCH_COMPRESSION") or None,
+            shard=os.environ.get("BENCH_SHARD") or None, **kw))
     windows.report(size, params)
 
 

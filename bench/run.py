@@ -77,6 +77,8 @@ jax_mlp and torch_mlp run, 1 thread per process:
                       the DDP wrap of Keras >= 3.16), each fitting its share
   handwritten_2       that framework's own loop, 2 processes: a jitted JAX step over a mesh
                       of both processes' devices, or a torch.nn model under DDP
+  keras_dist_adam_2   torch_mlp only: keras_dist_2 with Adam; keras_dist_shard_2 the same with
+                      its state sharded over the processes (shard="optimizer")
   keras_dist_hvd_2    torch_mlp only: the two-line change under horovodrun -np 2 (Horovod's
                       torch operations instead of torch.distributed)
   handwritten_hvd_2   torch_mlp only: the torch.nn model with Horovod's DistributedOptimizer
@@ -249,6 +251,10 @@ CONFIGS = {
 }
 CONFIGS["torch"] += [Config(name, mode, 2, "horovod", env={"KERAS_BACKEND": "torch"}, worker="backend_worker.py")
                      for name, mode in (("keras_dist_hvd_2", "keras_dist"), ("handwritten_hvd_2", "handwritten"))]
+# Adam, its state unsharded and sharded over the 2 processes (keras_dist.compile(shard="optimizer")).
+CONFIGS["torch"] += [Config(name, "keras_dist", 2, "torch", env={"KERAS_BACKEND": "torch", "BENCH_OPTIMIZER": "adam",
+                                                                  **shard}, worker="backend_worker.py")
+                     for name, shard in (("keras_dist_adam_2", {}), ("keras_dist_shard_2", {"BENCH_SHARD": "optimizer"}))]
 SPS, CPU, EPOCH_CPU = "samples_per_s", "cpu_s_per_sample", "cpu_s_per_epoch_worker"
 # model kind -> ratios: (name, numerator, denominator, figure, target from issue 10 or None)
 RATIOS = {
@@ -294,6 +300,8 @@ RATIOS["torch"] += [
     ("keras_dist_hvd_2_vs_handwritten_hvd_2", "keras_dist_hvd_2", "handwritten_hvd_2", SPS, None),
     ("cpu_keras_dist_hvd_2_vs_handwritten_hvd_2", "keras_dist_hvd_2", "handwritten_hvd_2", CPU, None),
     ("keras_dist_hvd_2_vs_keras_dist_2", "keras_dist_hvd_2", "keras_dist_2", SPS, None),
+    ("keras_dist_shard_2_vs_keras_dist_adam_2", "keras_dist_shard_2", "keras_dist_adam_2", SPS, None),
+    ("cpu_keras_dist_shard_2_vs_keras_dist_adam_2", "keras_dist_shard_2", "keras_dist_adam_2", CPU, None),
 ]
 
 

@@ -4,7 +4,7 @@ from typing import Any, Literal
 
 import keras
 
-from keras_dist import keras_internals, optimizer_hooks, overrides, runtime, training
+from keras_dist import keras_internals, optimizer_hooks, optimizer_sharding, overrides, runtime, training
 from keras_dist.strategies.base import GradientOptions
 from keras_dist.errors import KerasDistError
 
@@ -15,6 +15,7 @@ def compile(
     gradient_reduction: Literal["mean", "sum"] = "mean",
     gradient_compression: Literal["fp16", "bf16"] | None = None,
     scale_learning_rate: bool = False,
+    shard: Literal["optimizer"] | None = None,
     **kwargs: Any,
 ) -> None:
     """Compiles `model` for distributed training on the active strategy.
@@ -34,6 +35,10 @@ def compile(
             slow links only (docs/benchmarks.md).
         scale_learning_rate: multiply the optimizer's learning rate by the number of
             replicas (pair it with `keras_dist.callbacks.LearningRateWarmup`).
+        shard: `None` (default), or `"optimizer"`: each process keeps the optimizer's
+            state (Adam's moments) for its share of the variables only, about 1/N of it,
+            and updates those; the result is the unsharded one's (ZeRO stage 1; PyTorch so
+            far, and no checkpoints yet: docs/sharding.md).
         **kwargs: passed to `model.compile`.
 
     `keras_dist.compile(model)` alone recompiles a compiled model (one `keras.models.load_model`
@@ -59,12 +64,14 @@ def compile(
     if not args and not kwargs and model.compiled:
         kwargs = _compiled_with(model)
     strategy = runtime.current()
+    if shard is not None:
+        optimizer_sharding.check_level(shard, strategy)
     overrides.restore(model)  # compiled before: start again from Keras's own methods
     strategy.prepare_model(model)
     kwargs = strategy.compile_arguments(kwargs)
     with strategy.scope():
         model.compile(*args, **kwargs)
-    options = GradientOptions(gradient_reduction, gradient_compression)
+    options = GradientOptions(gradient_reduction, gradient_compression, shard if strategy.size > 1 else None)
     for optimizer in optimizer_hooks.optimizers_of(model):
         for part in (optimizer, getattr(optimizer, "inner_optimizer", None)):  # a LossScaleOptimizer's too
             if part is not None:

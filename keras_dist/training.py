@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_dist import inputs, keras_internals, optimizer_hooks
+from keras_dist import inputs, keras_internals, optimizer_hooks, optimizer_sharding
 from keras_dist.errors import KerasDistError
 from keras_dist.logs import flat_logs, metric_results
 from keras_dist.fault_tolerance import background_writes, resume, script_saves
@@ -99,6 +99,8 @@ class DistributedTraining:
             self._choose_batch_logs(arguments["callbacks"])
         call = next(_FIT_CALLS)
         backup = resume.backup_of(script_callbacks)
+        if self.gradient_options.shard is not None:
+            optimizer_sharding.refuse_file_callbacks(script_callbacks, self.strategy.settings.backup_dir)
         # Notices and resuming inside an epoch need Keras's loop (a parameter server's own
         # loop resumes at the epoch).
         keras_loop = self.strategy.runs_keras_loops
@@ -287,6 +289,8 @@ def attach(model: keras.Model, strategy: "Strategy", gradient_options: "Gradient
         override(model, name, getattr(training, name.lstrip("_")))
     override(model, "_keras_dist", training)
     script_saves.install(model, strategy)
+    if gradient_options.shard is not None:
+        optimizer_sharding.refuse_saves(model)
     return training
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import keras
 
-from keras_dist import keras_internals, optimizer_hooks
+from keras_dist import keras_internals, optimizer_hooks, optimizer_sharding
 from keras_dist.callbacks.replica_check import weights_digest
 from keras_dist.errors import KerasDistError
 
@@ -50,8 +50,9 @@ def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
     if optimizer is not None and not optimizer.built and model.built:  # an unbuilt model: fit builds both
         with strategy.scope():  # before any fit (evaluate first), nothing else opened it
             optimizer.build(model.trainable_variables)
-    # Optimizers a custom `compile` holds build on their first update, from zeros on every process.
-    built = [o for o in optimizer_hooks.optimizers_of(model) if o.built]
+    # Optimizers a custom `compile` holds build on their first update, from zeros on every
+    # process; a sharded optimizer's state is each process's own share.
+    built = [o for o in optimizer_hooks.optimizers_of(model) if o.built and not optimizer_sharding.is_sharded(o)]
     variables = list(model.weights) + [v for o in built for v in o.variables]
     check_same_variables(variables, strategy)
     digests = strategy.allgather_object(weights_digest(model.weights))

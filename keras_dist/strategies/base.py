@@ -42,10 +42,13 @@ class GradientOptions:
         reduction: `"mean"` (default) or `"sum"`.
         compression: `None`, `"fp16"` or `"bf16"` (halves the bytes on the wire;
             gradients are cast back to their dtype after the reduction).
+        shard: `None`, or `"optimizer"`: each process keeps the optimizer's state for its
+            share of the variables only (`keras_dist.optimizer_sharding`).
     """
 
     reduction: str = "mean"
     compression: str | None = None
+    shard: str | None = None
 
 
 def bucket_bytes(default: int, chosen: Settings) -> int:
@@ -105,6 +108,8 @@ class Strategy(Replicas):
     # strategy then starts at `import keras_dist` and all processes take the chief's
     # random seed (`keras_dist.startup`), so weights made at any time agree.
     shares_random_seed: ClassVar[bool] = False
+    # True when `distribute_optimizer` takes `GradientOptions.shard="optimizer"`.
+    shards_optimizer_state: ClassVar[bool] = False
     # False when `run_loop` replaces Keras's fit/evaluate/predict loops with the
     # strategy's own (parameter servers), which then read epoch logs themselves.
     runs_keras_loops: ClassVar[bool] = True

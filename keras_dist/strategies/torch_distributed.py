@@ -51,6 +51,7 @@ class TorchDistributedStrategy(Strategy):
     name = "torch"
     reduces_in_keras_dist = True
     shares_random_seed = True
+    shards_optimizer_state = True
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -115,7 +116,7 @@ class TorchDistributedStrategy(Strategy):
     def distribute_optimizer(self, optimizer: "keras.optimizers.Optimizer", options: GradientOptions) -> None:
         import keras
 
-        from keras_dist import optimizer_hooks
+        from keras_dist import optimizer_hooks, optimizer_sharding
 
         torch = self._torch
         if options.compression == "bf16" and isinstance(self.collectives, HorovodTorch):
@@ -127,6 +128,12 @@ class TorchDistributedStrategy(Strategy):
         overlaps = not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
             not optimizer.gradient_accumulation_steps and optimizer.loss_scale_factor is None
         name = f"optimizer{next(self._optimizer_numbers)}"
+        if options.shard == "optimizer":
+            optimizer_sharding.shard_state(
+                optimizer, self.rank, self.size,
+                lambda grads: self._allreduce_in_buckets(grads, options, f"{name}.gradients"),
+                self._broadcast_from_owners)
+            return
 
         def allreduce_gradients(grads):
             present = [g for g in grads if g is not None]
@@ -145,6 +152,19 @@ class TorchDistributedStrategy(Strategy):
             return self.collectives.min(flag)[0].to(torch.bool)
 
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
+
+    def _broadcast_from_owners(self, variables: list, owners: list[int]) -> None:
+        """Each variable's value from its owner, one broadcast per owner and dtype."""
+        torch = self._torch
+        for root in range(self.size):
+            owned = [v for v, owner in zip(variables, owners) if owner == root]
+            for dtype in sorted({v.value.dtype for v in owned}, key=str):
+                group = [v.value for v in owned if v.value.dtype == dtype]
+                wire = torch.cat([value.detach().reshape(-1) for value in group]).to(self.collectives.device)
+                self.collectives.broadcast_(wire, root)
+                with torch.no_grad():
+                    for value, part in zip(group, wire.split([value.numel() for value in group])):
+                        value.copy_(part.view_as(value).to(value.device))
 
     def _allreduce_in_buckets(self, tensors, options, name):
         """Each tensor summed (or averaged) over processes, through a few flat collectives

@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--dataset | --pydataset] [--two-optimizers] [--recompile]
+       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--shard optimizer] [--dataset | --pydataset] [--two-optimizers] [--recompile]
        [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
@@ -21,6 +21,8 @@ parser.add_argument("--samples", type=int, default=64)
 parser.add_argument("--eval-samples", type=int, default=17)
 parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
 parser.add_argument("--adam", action="store_true")
+parser.add_argument("--global-clipnorm", type=float, help="the optimizer's global_clipnorm")
+parser.add_argument("--shard", choices=["optimizer"], help="keras_dist's shard")
 parser.add_argument("--compression", choices=["fp16", "bf16"], help="keras_dist's gradient_compression")
 parser.add_argument("--dataset", action="store_true", help="fit on a tf.data pipeline (shuffle with a seed, map, batch)")
 parser.add_argument("--pydataset", action="store_true",
@@ -74,7 +76,8 @@ class TwoOptimizers(keras.Model):
 
 
 def optimizer():
-    return keras.optimizers.Adam(0.02) if args.adam else keras.optimizers.SGD(0.05)
+    kind, rate = (keras.optimizers.Adam, 0.02) if args.adam else (keras.optimizers.SGD, 0.05)
+    return kind(rate, global_clipnorm=args.global_clipnorm)
 
 
 if args.two_optimizers:
@@ -83,7 +86,7 @@ if args.two_optimizers:
 else:
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
     keras_dist.compile(model, optimizer=optimizer(), loss="mse", metrics=["mae"],
-                       gradient_compression=args.compression)
+                       gradient_compression=args.compression, **({"shard": args.shard} if args.shard else {}))
 
 
 class KillAtEpochEnd(keras.callbacks.Callback):
@@ -147,6 +150,7 @@ result = {
     "history": history.history,
     "evaluate": evaluation,
     "predict": prediction.tolist(),
+    "optimizer_state_bytes": sum(int(np.prod(v.shape)) * 4 for v in model.optimizer.variables),
 }
 with open(os.path.join(args.out, f"result-{ctx.rank}.json"), "w") as f:
     json.dump(result, f)
