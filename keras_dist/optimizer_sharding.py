@@ -9,10 +9,17 @@ unsharded one's; the result is the unsharded update's, since every owner applies
 the gradients reduced over all processes.
 
 The optimizer's `build` and `apply` are replaced on the object (no Keras class is
-patched): `build` makes state for the owned variables alone; `apply` reduces every
-gradient, applies the owned ones with Keras's own `apply`, and hands the variables to
-`broadcast_from_owners`. Clipping by global norm is done over every gradient first, so
-Keras's own, over the owned ones, changes nothing more.
+patched): `build` makes state for the owned variables alone, noting which variable and
+slot each state variable is (`ShardedState`); `apply` reduces every gradient, applies the
+owned ones with Keras's own `apply`, and hands the variables to `broadcast_from_owners`.
+Clipping by global norm is done over every gradient first, so Keras's own, over the owned
+ones, changes nothing more.
+
+Saves write the unsharded optimizer's state, in its order, so a plain process loads them:
+the model's `save` and `save_weights`, called on every process as a script calls them,
+first gather every process's share to the chief (`gathering_saves`), whose optimizer then
+writes them whole; the unsharded order is that of the same optimizer class built on
+placeholder variables of no size. Loading takes each process's share from a whole file.
 """
 
 import logging
@@ -22,15 +29,111 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist.errors import KerasDistError
-from keras_dist.overrides import is_overridden, override
+from keras_dist.errors import KerasDistError, PeerFailure
+from keras_dist.overrides import methods_while, override
 
 logger = logging.getLogger("keras_dist")
 
-# What a sharded job cannot save yet: every Keras save holds the optimizer's state, and a
-# process holds its own share of it only.
-NO_SAVES = ("a model compiled with shard='optimizer' cannot be saved yet (each process holds its share of the "
-            "optimizer's state only, and a whole checkpoint needs all of it); drop shard to save or resume")
+# What a sharded job cannot save yet: fit's checkpoints and backups (the chief alone runs
+# them, and the other processes hold their shares of the optimizer's state).
+NO_SAVES = ("fit cannot checkpoint a model compiled with shard='optimizer' yet (each process holds its share of the "
+            "optimizer's state; model.save and save_weights on every process after fit gather it); drop shard to "
+            "checkpoint or resume during fit")
+_STATE = "_keras_dist_sharded_state"
+
+
+class ShardedState:
+    """What a sharded optimizer knows of the whole: the variables it was built for and their
+    owners, which of its own variables is which variable's slot, and, while a save runs,
+    the whole state gathered on the chief."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.variables: list | None = None
+        self.owners: list[int] = []
+        self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
+        self.whole: list[np.ndarray] | None = None
+
+
+def _layout(optimizer_variables: Sequence[Any], slots: dict[int, tuple[int, str]]) -> list[tuple]:
+    """Each of `optimizer_variables` as ("slot", variable index, slot name), or ("own", k) for
+    the k-th that no variable's slot is (the iteration count, the learning rate)."""
+    own = iter(range(len(optimizer_variables)))
+    return [("slot", *slots[id(v)]) if id(v) in slots else ("own", next(own)) for v in optimizer_variables]
+
+
+def _recording(add_from_reference: Callable[..., Any], index: dict[int, int],
+               slots: dict[int, tuple[int, str]]) -> Callable[..., Any]:
+    """`add_variable_from_reference` that notes which variable and slot each one it makes is."""
+
+    def add(reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
+        created = add_from_reference(reference_variable, *args, **kwargs)
+        slots[id(created)] = (index[id(reference_variable)], kwargs.get("name", args[0] if args else None))
+        return created
+
+    return add
+
+
+def _whole_layout(optimizer: keras.optimizers.Optimizer, state: ShardedState) -> list[tuple]:
+    """The unsharded optimizer's variables, in its order (`ShardedState.layout`): the same
+    class, from the same config, built on placeholders of no size for the variables."""
+    shadow = type(optimizer).from_config(optimizer.get_config())
+    placeholders = []
+    for i, variable in enumerate(state.variables):
+        placeholder = keras.Variable(np.zeros((0,), keras.backend.standardize_dtype(variable.dtype)),
+                                     name=f"keras_dist_placeholder_{i}")
+        if getattr(variable, "overwrite_with_gradient", False):
+            placeholder.overwrite_with_gradient = True
+        placeholders.append(placeholder)
+    slots: dict[int, tuple[int, str]] = {}
+    index = {id(p): i for i, p in enumerate(placeholders)}
+    with methods_while(shadow, {"add_variable_from_reference": _recording(shadow.add_variable_from_reference,
+                                                                          index, slots)}):
+        shadow.build(placeholders)
+    return _layout(shadow.variables, slots)
+
+
+def gather_whole_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> list[np.ndarray] | None:
+    """On the chief, the unsharded optimizer's state in its order, from every process's share
+    (collective: every process calls it); None elsewhere."""
+    state = sharded_state(optimizer)
+    values = [keras.ops.convert_to_numpy(v.value) for v in optimizer.variables]
+    mine = dict(zip(_layout(optimizer.variables, state.slots), values))
+    shares = replicas.allgather_object({key: value for key, value in mine.items() if key[0] == "slot"})
+    if not replicas.is_chief:
+        return None
+    merged = {key: value for share in shares for key, value in share.items()}
+    return [merged[key] if key[0] == "slot" else mine[key] for key in _whole_layout(optimizer, state)]
+
+
+def sharded_state(optimizer: keras.optimizers.Optimizer) -> ShardedState | None:
+    """The `ShardedState` of an optimizer `shard_state` sharded; None for any other."""
+    return vars(optimizer).get(_STATE)
+
+
+def gathering_saves(model: keras.Model, replicas: Any) -> None:
+    """Makes `model.save` and `save_weights` (keras_dist's, once from the chief) gather a sharded
+    optimizer's state to the chief first: they are collective, on every process."""
+    for name in ("save", "save_weights"):
+        def gathered(*args: Any, _save: Callable[..., Any] = getattr(model, name), method: str = name,
+                     **kwargs: Any) -> Any:
+            optimizer = model.optimizer
+            state = sharded_state(optimizer) if optimizer is not None else None
+            if state is None or state.variables is None:
+                return _save(*args, **kwargs)
+            try:
+                state.whole = gather_whole_state(optimizer, replicas)
+            except PeerFailure as failure:
+                raise KerasDistError(f"model.{method} gathers every process's share of the optimizer's state, but "
+                                     f"{', '.join(failure.stopped) or 'a peer'} did not take part: call it on every "
+                                     "process (keras_dist writes the file once, from the chief), not on the chief "
+                                     "alone") from None
+            try:
+                return _save(*args, **kwargs)
+            finally:
+                state.whole = None
+
+        override(model, name, gathered)
 
 
 def check_level(shard: str, strategy: Any) -> None:
@@ -43,16 +146,6 @@ def check_level(shard: str, strategy: Any) -> None:
     if strategy.size > 1 and not strategy.shards_optimizer_state:
         raise KerasDistError(f"backend {strategy.name!r} cannot shard the optimizer's state yet; run on PyTorch "
                              "(KERAS_BACKEND=torch) or drop shard")
-
-
-def refuse_saves(model: keras.Model) -> None:
-    """Makes `model.save` and `save_weights` end in one line (`NO_SAVES`) on every process."""
-
-    def refused(*args: Any, **kwargs: Any) -> None:
-        raise KerasDistError(NO_SAVES)
-
-    for name in ("save", "save_weights"):
-        override(model, name, refused)
 
 
 def refuse_file_callbacks(callbacks: Sequence[keras.callbacks.Callback], backup_dir: str | None) -> None:
@@ -82,6 +175,9 @@ def check_supported(optimizer: keras.optimizers.Optimizer) -> None:
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise KerasDistError("shard='optimizer' does not take a LossScaleOptimizer yet (mixed_float16); train in "
                              "float32 or bfloat16, or drop shard")
+    if optimizer.built:
+        raise KerasDistError("shard='optimizer' needs an optimizer not built yet, whose state it can split; this one "
+                             "holds its whole state (load_model's): compile with a new optimizer, or drop shard")
     if optimizer.use_ema:
         raise KerasDistError("shard='optimizer' does not take use_ema=True yet (each process would average only its "
                              "own variables); drop one of them")
@@ -89,7 +185,7 @@ def check_supported(optimizer: keras.optimizers.Optimizer) -> None:
 
 def is_sharded(optimizer: keras.optimizers.Optimizer) -> bool:
     """Whether `shard_state` made `optimizer` keep its own share of the state."""
-    return is_overridden(optimizer, "build")
+    return sharded_state(optimizer) is not None
 
 
 def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
@@ -107,6 +203,8 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
         return
     check_supported(optimizer)
     keras_build, keras_apply = optimizer.build, optimizer.apply
+    keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
+    state = ShardedState(rank, size)
     placement: dict[tuple, list[int]] = {}
 
     def placed(variables: list) -> list[int]:
@@ -117,7 +215,30 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
 
     def build(variables: list) -> None:
         # Keras builds the optimizer from every trainable variable before the first step.
-        keras_build([v for v, owner in zip(variables, placed(list(variables))) if owner == rank])
+        state.variables, state.owners = list(variables), placed(list(variables))
+        index = {id(v): i for i, v in enumerate(state.variables)}
+        recording = _recording(optimizer.add_variable_from_reference, index, state.slots)
+        with methods_while(optimizer, {"add_variable_from_reference": recording}):
+            keras_build([v for v, owner in zip(state.variables, state.owners) if owner == rank])
+
+    def save_own_variables(store: Any) -> None:
+        if state.variables is None:  # not built: nothing is sharded yet
+            return keras_save(store)
+        if state.whole is None:  # on the chief alone: a callback of fit's
+            raise KerasDistError(NO_SAVES)
+        for position, value in enumerate(state.whole):
+            store[str(position)] = value
+
+    def load_own_variables(store: Any) -> None:
+        if state.variables is None:
+            return keras_load(store)
+        whole = _whole_layout(optimizer, state)
+        if len(store.keys()) != len(whole):
+            raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer unsharded "
+                                 f"has {len(whole)}: it was saved with another optimizer; compile with the file's")
+        position = {key: j for j, key in enumerate(whole)}
+        for variable, key in zip(optimizer.variables, _layout(optimizer.variables, state.slots)):
+            variable.assign(store[str(position[key])])
 
     def apply(grads: list, trainable_variables: Any = None) -> None:
         if trainable_variables is None:
@@ -139,6 +260,9 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
 
     override(optimizer, "build", build)
     override(optimizer, "apply", apply)
+    override(optimizer, "save_own_variables", save_own_variables)
+    override(optimizer, "load_own_variables", load_own_variables)
+    override(optimizer, _STATE, state)
 
 
 def _clip_by_global_norm(grads: list, clip_norm: float) -> list:

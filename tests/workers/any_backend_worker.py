@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--shard optimizer] [--dataset | --pydataset] [--two-optimizers] [--recompile]
+       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--shard optimizer] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile]
        [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
@@ -23,6 +23,8 @@ parser.add_argument("--callbacks", action="store_true", help="add checkpoint, ba
 parser.add_argument("--adam", action="store_true")
 parser.add_argument("--global-clipnorm", type=float, help="the optimizer's global_clipnorm")
 parser.add_argument("--shard", choices=["optimizer"], help="keras_dist's shard")
+parser.add_argument("--save", choices=["every", "chief"],
+                    help="every process, or the chief alone, calls model.save(OUT_DIR/model.keras) after fit")
 parser.add_argument("--compression", choices=["fp16", "bf16"], help="keras_dist's gradient_compression")
 parser.add_argument("--dataset", action="store_true", help="fit on a tf.data pipeline (shuffle with a seed, map, batch)")
 parser.add_argument("--pydataset", action="store_true",
@@ -140,6 +142,12 @@ if args.recompile:  # the transfer-learning recipe
     keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.02), loss="mse", metrics=["mae"])
     for key, values in model.fit(**inputs, epochs=1, shuffle=False, verbose=0).history.items():
         history.history[f"recompiled_{key}"] = values
+if args.save == "chief":  # the script ends with the chief's save, as tutorials write it
+    if ctx.is_chief:
+        model.save(os.path.join(args.out, "model.keras"))
+    sys.exit(0)
+if args.save == "every":
+    model.save(os.path.join(args.out, "model.keras"))
 evaluation = model.evaluate(**evaluation_inputs, verbose=0, return_dict=True)
 prediction = model.predict(**prediction_inputs, verbose=0)
 result = {
