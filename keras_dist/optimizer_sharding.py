@@ -22,7 +22,6 @@ writes them whole; the unsharded order is that of the same optimizer class built
 placeholder variables of no size. Loading takes each process's share from a whole file.
 """
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,8 +30,6 @@ import numpy as np
 
 from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.overrides import methods_while, override
-
-logger = logging.getLogger("keras_dist")
 
 # What a sharded job cannot save yet: fit's checkpoints and backups (the chief alone runs
 # them, and the other processes hold their shares of the optimizer's state).
@@ -43,14 +40,12 @@ _STATE = "_keras_dist_sharded_state"
 
 
 class ShardedState:
-    """What a sharded optimizer knows of the whole: the variables it was built for and their
-    owners, which of its own variables is which variable's slot, and, while a save runs,
+    """What a sharded optimizer knows of the whole: the variables it was built for, which of
+    its own variables is which variable's slot, and, while a save runs,
     the whole state gathered on the chief."""
 
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
+    def __init__(self) -> None:
         self.variables: list | None = None
-        self.owners: list[int] = []
         self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
         self.whole: list[np.ndarray] | None = None
 
@@ -204,7 +199,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
     check_supported(optimizer)
     keras_build, keras_apply = optimizer.build, optimizer.apply
     keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
-    state = ShardedState(rank, size)
+    state = ShardedState()
     placement: dict[tuple, list[int]] = {}
 
     def placed(variables: list) -> list[int]:
@@ -215,11 +210,11 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
 
     def build(variables: list) -> None:
         # Keras builds the optimizer from every trainable variable before the first step.
-        state.variables, state.owners = list(variables), placed(list(variables))
+        state.variables = list(variables)
         index = {id(v): i for i, v in enumerate(state.variables)}
         recording = _recording(optimizer.add_variable_from_reference, index, state.slots)
         with methods_while(optimizer, {"add_variable_from_reference": recording}):
-            keras_build([v for v, owner in zip(state.variables, state.owners) if owner == rank])
+            keras_build([v for v, owner in zip(state.variables, placed(state.variables)) if owner == rank])
 
     def save_own_variables(store: Any) -> None:
         if state.variables is None:  # not built: nothing is sharded yet
