@@ -30,7 +30,9 @@ args = parser.parse_args()
 class RemoveBackupDir(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == args.remove_backup_dir_at and keras_dist.current().is_chief and os.path.isdir(args.backup_dir):
-            shutil.rmtree(args.backup_dir)
+            # As `rm -rf` does: keras_dist's backup writer may rename or add a file meanwhile.
+            while os.path.isdir(args.backup_dir):
+                shutil.rmtree(args.backup_dir, ignore_errors=True)
             print(f"removed {args.backup_dir} at step {batch}", flush=True)
 
 
