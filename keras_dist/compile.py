@@ -37,8 +37,8 @@ def compile(
             replicas (pair it with `keras_dist.callbacks.LearningRateWarmup`).
         shard: `None` (default), or `"optimizer"`: each process keeps the optimizer's
             state (Adam's moments) for its share of the variables only, about 1/N of it,
-            and updates those; the result is the unsharded one's (ZeRO stage 1; PyTorch so
-            far, and no checkpoints during fit yet: docs/sharding.md).
+            and updates those; the result is the unsharded one's (ZeRO stage 1; PyTorch and
+            JAX so far, and no checkpoints during fit yet: docs/sharding.md).
         **kwargs: passed to `model.compile`.
 
     `keras_dist.compile(model)` alone recompiles a compiled model (one `keras.models.load_model`

@@ -20,6 +20,11 @@ the model's `save` and `save_weights`, called on every process as a script calls
 first gather every process's share to the chief (`gathering_saves`), whose optimizer then
 writes them whole; the unsharded order is that of the same optimizer class built on
 placeholder variables of no size. Loading takes each process's share from a whole file.
+
+On JAX the state is sharded by layout instead (`shard_state_by_layout`): each slot the
+optimizer makes is one array over the job's mesh, split along an axis of the variable
+(Keras's `TensorLayout`, as `ModelParallel`'s layouts are), and XLA's step updates each
+process's part and gathers the updated variables. Saves gather each slot whole the same way.
 """
 
 from collections.abc import Callable, Sequence
@@ -41,12 +46,14 @@ _STATE = "_keras_dist_sharded_state"
 
 class ShardedState:
     """What a sharded optimizer knows of the whole: the variables it was built for, which of
-    its own variables is which variable's slot, and, while a save runs,
-    the whole state gathered on the chief."""
+    its own variables is which variable's slot, how every process's share is gathered (`gather`,
+    collective: the unsharded state in its order on the chief, None elsewhere), and, while a
+    save runs, the whole state so gathered."""
 
-    def __init__(self) -> None:
+    def __init__(self, gather: Callable[[Any], list[np.ndarray] | None]) -> None:
         self.variables: list | None = None
         self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
+        self.gather = gather
         self.whole: list[np.ndarray] | None = None
 
 
@@ -114,10 +121,10 @@ def gathering_saves(model: keras.Model, replicas: Any) -> None:
                      **kwargs: Any) -> Any:
             optimizer = model.optimizer
             state = sharded_state(optimizer) if optimizer is not None else None
-            if state is None or state.variables is None:
+            if state is None or not optimizer.built:
                 return _save(*args, **kwargs)
             try:
-                state.whole = gather_whole_state(optimizer, replicas)
+                state.whole = state.gather(replicas)
             except PeerFailure as failure:
                 raise KerasDistError(f"model.{method} gathers every process's share of the optimizer's state, but "
                                      f"{', '.join(failure.stopped) or 'a peer'} did not take part: call it on every "
@@ -139,8 +146,8 @@ def check_level(shard: str, strategy: Any) -> None:
     if shard != "optimizer":
         raise KerasDistError(f"shard must be None or 'optimizer', got {shard!r}")
     if strategy.size > 1 and not strategy.shards_optimizer_state:
-        raise KerasDistError(f"backend {strategy.name!r} cannot shard the optimizer's state yet; run on PyTorch "
-                             "(KERAS_BACKEND=torch) or drop shard")
+        raise KerasDistError(f"backend {strategy.name!r} cannot shard the optimizer's state yet; run on PyTorch or JAX "
+                             "(KERAS_BACKEND=torch or jax) or drop shard")
 
 
 def refuse_file_callbacks(callbacks: Sequence[keras.callbacks.Callback], backup_dir: str | None) -> None:
@@ -199,7 +206,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
     check_supported(optimizer)
     keras_build, keras_apply = optimizer.build, optimizer.apply
     keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
-    state = ShardedState()
+    state = ShardedState(lambda replicas: gather_whole_state(optimizer, replicas))
     placement: dict[tuple, list[int]] = {}
 
     def placed(variables: list) -> list[int]:
@@ -255,6 +262,59 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
 
     override(optimizer, "build", build)
     override(optimizer, "apply", apply)
+    override(optimizer, "save_own_variables", save_own_variables)
+    override(optimizer, "load_own_variables", load_own_variables)
+    override(optimizer, _STATE, state)
+
+
+def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Callable[[tuple], Any],
+                          whole_values: Callable[[list], list[np.ndarray]],
+                          place: Callable[[Any, np.ndarray], None]) -> None:
+    """Makes every slot `optimizer` builds one array split over the job's mesh (JAX).
+
+    Args:
+        optimizer: a Keras 3 optimizer, not yet built.
+        layout_for: from a slot's shape to its sharded `TensorLayout`, or None where no axis
+            divides among the devices (the slot then keeps the layout Keras gives it).
+        whole_values: the variables' whole values (collective: every process calls it; raises
+            `PeerFailure` where one does not).
+        place: sets a variable to a whole value, each process keeping its part (no collective).
+    """
+    if is_sharded(optimizer):
+        return
+    check_supported(optimizer)
+    keras_add, keras_save, keras_load = optimizer.add_variable, optimizer.save_own_variables, \
+        optimizer.load_own_variables
+
+    def gather(replicas: Any) -> list[np.ndarray] | None:
+        whole = whole_values(optimizer.variables)
+        return whole if replicas.is_chief else None
+
+    state = ShardedState(gather)
+
+    def add_variable(*args: Any, layout: Any = None, **kwargs: Any) -> Any:
+        shape = kwargs.get("shape", args[0] if args else ())
+        return keras_add(*args, layout=layout_for(tuple(shape)) or layout, **kwargs)
+
+    def save_own_variables(store: Any) -> None:
+        if not optimizer.built:
+            return keras_save(store)
+        if state.whole is None:  # on the chief alone: a callback of fit's
+            raise KerasDistError(NO_SAVES)
+        for position, value in enumerate(state.whole):
+            store[str(position)] = value
+
+    def load_own_variables(store: Any) -> None:
+        if not optimizer.built:
+            return keras_load(store)
+        if len(store.keys()) != len(optimizer.variables):
+            raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer has "
+                                 f"{len(optimizer.variables)}: it was saved with another optimizer; compile with the "
+                                 "file's")
+        for position, variable in enumerate(optimizer.variables):
+            place(variable, np.asarray(store[str(position)]))
+
+    override(optimizer, "add_variable", add_variable)
     override(optimizer, "save_own_variables", save_own_variables)
     override(optimizer, "load_own_variables", load_own_variables)
     override(optimizer, _STATE, state)

@@ -35,7 +35,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist import environments, keras_internals, keras_workarounds_jax, network, optimizer_hooks, timeouts
+from keras_dist import (environments, keras_internals, keras_workarounds_jax, network, optimizer_hooks,
+                        optimizer_sharding, timeouts)
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
@@ -48,6 +49,8 @@ logger = logging.getLogger("keras_dist")
 
 # Set by `prepare_process`: JAX's process group must start before any JAX computation.
 _started = False
+# The job's `_PeerWatch`, once the process group started (several processes).
+_peer_watch: "_PeerWatch | None" = None
 
 
 def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> None:
@@ -57,7 +60,7 @@ def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> N
     `keras.distribution.initialize` also agrees on one random seed; keras_dist does that
     for every strategy in `keras_dist.startup`, without importing TensorFlow.
     """
-    global _started
+    global _started, _peer_watch
     if _started:
         return
     import jax
@@ -108,7 +111,8 @@ def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> N
             watchdog.cancel()
         if address is not None:
             _gloo_advertises(address)
-        _PeerWatch(_coordination_client(), environment.rank, environment.size, later).start()
+        _peer_watch = _PeerWatch(_coordination_client(), environment.rank, environment.size, later)
+        _peer_watch.start()
     _started = True
 
 
@@ -173,6 +177,32 @@ class _PeerWatch:
         atexit.register(self._finish)  # after JAX's own exit handler, so it runs first
         for target in (self._beat, self._check):
             threading.Thread(target=target, name=f"keras_dist {target.__name__[1:]}", daemon=True).start()
+
+    def all_arrive(self, label: str) -> None:
+        """Returns once every process has called it with `label` (the same sequence of labels
+        everywhere); raises `PeerFailure` naming the processes that ended or did not come
+        within the watch's timeout. A JAX collective would wait forever for a process that
+        ended cleanly (a save on the chief alone)."""
+        self._client.key_value_set(f"keras_dist/arrived/{label}/{self._rank}", "1")
+        waiting = set(range(len(self._hosts))) - {self._rank}
+        deadline = time.monotonic() + self._timeout
+        while waiting:
+            for rank in list(waiting):
+                with contextlib.suppress(Exception):  # not there yet
+                    if self._client.key_value_try_get(f"keras_dist/arrived/{label}/{rank}"):
+                        waiting.discard(rank)
+            ended = [r for r in waiting if self._has_ended(r)]
+            if ended or (waiting and time.monotonic() > deadline):
+                late = ended or sorted(waiting)
+                raise PeerFailure([f"rank {r} on {self._hosts[r]}" for r in late], None if ended else f"{self._timeout:g} s",
+                                  "call it on every process", exited=bool(ended))
+            if waiting:
+                time.sleep(0.05)
+
+    def _has_ended(self, rank: int) -> bool:
+        with contextlib.suppress(Exception):
+            return self._client.key_value_try_get(f"keras_dist/beat/{rank}") == self.DONE
+        return False
 
     def _finish(self) -> None:
         self._done.set()
@@ -245,6 +275,7 @@ class JaxDataParallelStrategy(Strategy):
 
     name = "jax"
     shares_random_seed = True
+    shards_optimizer_state = True
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -268,6 +299,7 @@ class JaxDataParallelStrategy(Strategy):
         self.collectives = JaxProcesses(jax)
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
         self._local_depth = 0
+        self._gathers = 0  # `_whole_values` calls so far, which every process counts alike
 
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
@@ -338,6 +370,30 @@ class JaxDataParallelStrategy(Strategy):
         if options.compression is not None or options.reduction != "mean":
             raise KerasDistError("backend 'jax' averages gradients inside XLA's step; drop gradient_compression "
                                  "and gradient_reduction from keras_dist.compile")
+        if options.shard == "optimizer":
+            # Each slot is split over the mesh; XLA's step then updates each device's part and
+            # gathers the updated variables. The slots stay split outside fit (`_localize`).
+            optimizer_sharding.shard_state_by_layout(optimizer, self._split_layout, self._whole_values, _place)
+
+    def _whole_values(self, variables: Sequence[keras.Variable]) -> list[np.ndarray]:
+        """Each variable's whole value, on every process (collective: first every process
+        arrives, or the ones that did not are named)."""
+        self._gathers += 1
+        if _peer_watch is not None:
+            _peer_watch.all_arrive(f"gather/{self._gathers}")
+        return [_whole_value(v) for v in variables]
+
+    def _split_layout(self, shape: tuple) -> keras.distribution.TensorLayout | None:
+        """A layout splitting an array of `shape` over every device, along its first axis that
+        divides evenly; None where none does (a scalar, a bias of odd length)."""
+        mesh = self.distribution.device_mesh
+        devices = self.num_replicas
+        for axis, length in enumerate(shape):
+            if length and length % devices == 0:
+                spec = [None] * len(shape)
+                spec[axis] = mesh.axis_names[0]
+                return keras.distribution.TensorLayout(spec, mesh)
+        return None
 
     # --- work one process does alone --------------------------------------------------
     def global_metric_states(self, variables: Sequence[keras.Variable]) -> list:
@@ -424,9 +480,32 @@ def _replicate(variables):
         value = keras_internals.variable_value(variable)
         if getattr(value, "sharding", None) == sharding:
             continue
-        local = value.addressable_data(0) if isinstance(value, jax.Array) else value
-        keras_internals.set_jax_value(variable, jax.make_array_from_single_device_arrays(
-            variable.shape, sharding, [jax.device_put(local, device) for device in sharding.addressable_devices]))
+        _place(variable, value.addressable_data(0) if isinstance(value, jax.Array) else value)
+
+
+def _place(variable, whole):
+    """Sets `variable` to `whole` on its layout's devices, each of this process's devices
+    taking its part of `whole` (the same value on every process), with no collective."""
+    import jax
+
+    sharding = keras_internals.jax_sharding(variable)
+    if sharding is None:  # no layout and no distribution: this process's own copy
+        variable.assign(whole)
+        return
+    parts = sharding.addressable_devices_indices_map(tuple(variable.shape))
+    keras_internals.set_jax_value(variable, jax.make_array_from_single_device_arrays(
+        tuple(variable.shape), sharding, [jax.device_put(whole[index], device) for device, index in parts.items()]))
+
+
+def _whole_value(variable) -> np.ndarray:
+    """A variable's whole value, gathered from every process where it is split over them
+    (collective then: every process calls it for the same variables)."""
+    from jax.experimental import multihost_utils
+
+    value = keras_internals.variable_value(variable)
+    if value.is_fully_addressable or value.is_fully_replicated:
+        return np.asarray(value)
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def _localize(variables):
@@ -437,6 +516,8 @@ def _localize(variables):
         value = keras_internals.variable_value(variable)
         if not isinstance(value, jax.Array):
             continue  # not made yet
+        if not value.sharding.is_fully_replicated:
+            continue  # a sharded optimizer's slot, which stays split (`shard_state_by_layout`)
         # A copy: Keras's step donates its state, and this process's shard of the global
         # array shares its buffer. Through NumPy, so it is uncommitted like the metric
         # states Keras resets and the batches it feeds: committed weights beside them
