@@ -36,25 +36,21 @@ import numpy as np
 from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.overrides import methods_while, override
 
-# What a sharded job cannot save yet: fit's checkpoints and backups (the chief alone runs
-# them, and the other processes hold their shares of the optimizer's state).
-NO_SAVES = ("fit cannot checkpoint a model compiled with shard='optimizer' yet (each process holds its share of the "
-            "optimizer's state; model.save and save_weights on every process after fit gather it); drop shard to "
-            "checkpoint or resume during fit")
 _STATE = "_keras_dist_sharded_state"
 
 
 class ShardedState:
     """What a sharded optimizer knows of the whole: the variables it was built for, which of
     its own variables is which variable's slot, how every process's share is gathered (`gather`,
-    collective: the unsharded state in its order on the chief, None elsewhere), and, while a
-    save runs, the whole state so gathered."""
+    collective: the unsharded state in its order, on the chief at least), while a save
+    runs the whole state so gathered, and the whole state it last loaded (`share_loaded_state`)."""
 
-    def __init__(self, gather: Callable[[Any], list[np.ndarray] | None]) -> None:
+    def __init__(self, gather: Callable[[], list[np.ndarray] | None]) -> None:
         self.variables: list | None = None
         self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
         self.gather = gather
         self.whole: list[np.ndarray] | None = None
+        self.loaded: list[np.ndarray] | None = None
 
 
 def _layout(optimizer_variables: Sequence[Any], slots: dict[int, tuple[int, str]]) -> list[tuple]:
@@ -113,7 +109,7 @@ def sharded_state(optimizer: keras.optimizers.Optimizer) -> ShardedState | None:
     return vars(optimizer).get(_STATE)
 
 
-def gathering_saves(model: keras.Model, replicas: Any) -> None:
+def gathering_saves(model: keras.Model) -> None:
     """Makes `model.save` and `save_weights` (keras_dist's, once from the chief) gather a sharded
     optimizer's state to the chief first: they are collective, on every process."""
     for name in ("save", "save_weights"):
@@ -124,7 +120,7 @@ def gathering_saves(model: keras.Model, replicas: Any) -> None:
             if state is None or not optimizer.built:
                 return _save(*args, **kwargs)
             try:
-                state.whole = state.gather(replicas)
+                state.whole = state.gather()
             except PeerFailure as failure:
                 raise KerasDistError(f"model.{method} gathers every process's share of the optimizer's state, but "
                                      f"{', '.join(failure.stopped) or 'a peer'} did not take part: call it on every "
@@ -138,6 +134,32 @@ def gathering_saves(model: keras.Model, replicas: Any) -> None:
         override(model, name, gathered)
 
 
+def share_loaded_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> None:
+    """Gives every process its share of the whole state the chief last loaded (its
+    `BackupAndRestore` restoring at fit's start: the others' stand-ins read nothing);
+    collective: every process calls it."""
+    state = sharded_state(optimizer)
+    whole = replicas.broadcast_object(state.loaded if replicas.is_chief else None)
+    if whole is not None:
+        optimizer.load_own_variables({str(position): value for position, value in enumerate(whole)})
+    state.loaded = None
+
+
+def _save_whole(state: ShardedState, store: Any, own_save: Callable[[Any], None]) -> None:
+    """Writes the unsharded state into `store`: the one `gathering_saves` gathered, or, in a save
+    every process makes at once (a checkpoint of fit's, the others' stand-ins), gathered now;
+    a process other than the chief writes its own share (into its stand-in's scratch file)."""
+    whole = state.whole if state.whole is not None else state.gather()
+    if whole is None:
+        return own_save(store)
+    for position, value in enumerate(whole):
+        store[str(position)] = value
+
+
+def _note_loaded(state: ShardedState, store: Any) -> None:
+    state.loaded = [np.asarray(store[str(position)]) for position in range(len(store.keys()))]
+
+
 def check_level(shard: str, strategy: Any) -> None:
     """One line where `shard` is not a level, or not one this strategy (`Strategy`) shards."""
     if shard == "weights":
@@ -148,15 +170,6 @@ def check_level(shard: str, strategy: Any) -> None:
     if strategy.size > 1 and not strategy.shards_optimizer_state:
         raise KerasDistError(f"backend {strategy.name!r} cannot shard the optimizer's state yet; run on PyTorch or JAX "
                              "(KERAS_BACKEND=torch or jax) or drop shard")
-
-
-def refuse_file_callbacks(callbacks: Sequence[keras.callbacks.Callback], backup_dir: str | None) -> None:
-    """One line, on every process, where `fit` would save a checkpoint or a backup (a callback
-    of the script's, or keras_dist's own under `--backup-dir`)."""
-    saving = [type(c).__name__ for c in callbacks
-              if isinstance(c, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore))]
-    if saving or backup_dir is not None:
-        raise KerasDistError(f"{saving[0] if saving else 'keras-dist launch --backup-dir'}: {NO_SAVES}")
 
 
 def owners(variables: Sequence[Any], size: int) -> list[int]:
@@ -190,13 +203,14 @@ def is_sharded(optimizer: keras.optimizers.Optimizer) -> bool:
     return sharded_state(optimizer) is not None
 
 
-def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
+def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
                 allreduce: Callable[[list], list], broadcast_from_owners: Callable[[list, list[int]], None]) -> None:
-    """Makes `optimizer` keep state for, and update, the variables process `rank` owns.
+    """Makes `optimizer` keep state for, and update, the variables this process owns.
 
     Args:
         optimizer: a Keras 3 optimizer, not yet built (`keras_dist.compile` makes it).
-        rank, size: this process and the job's process count.
+        replicas: the job (`keras_dist.replicas.Replicas`): this process, the process count,
+            and the gather of the shares for saves.
         allreduce: from a list of gradient tensors (no None) to the list reduced over processes.
         broadcast_from_owners: overwrites each variable everywhere with its owner's value
             (`variables`, and their owners' ranks).
@@ -206,7 +220,8 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
     check_supported(optimizer)
     keras_build, keras_apply = optimizer.build, optimizer.apply
     keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
-    state = ShardedState(lambda replicas: gather_whole_state(optimizer, replicas))
+    rank, size = replicas.rank, replicas.size
+    state = ShardedState(lambda: gather_whole_state(optimizer, replicas))
     placement: dict[tuple, list[int]] = {}
 
     def placed(variables: list) -> list[int]:
@@ -226,10 +241,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
     def save_own_variables(store: Any) -> None:
         if state.variables is None:  # not built: nothing is sharded yet
             return keras_save(store)
-        if state.whole is None:  # on the chief alone: a callback of fit's
-            raise KerasDistError(NO_SAVES)
-        for position, value in enumerate(state.whole):
-            store[str(position)] = value
+        _save_whole(state, store, keras_save)
 
     def load_own_variables(store: Any) -> None:
         if state.variables is None:
@@ -241,6 +253,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, rank: int, size: int,
         position = {key: j for j, key in enumerate(whole)}
         for variable, key in zip(optimizer.variables, _layout(optimizer.variables, state.slots)):
             variable.assign(store[str(position[key])])
+        _note_loaded(state, store)
 
     def apply(grads: list, trainable_variables: Any = None) -> None:
         if trainable_variables is None:
@@ -286,11 +299,9 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Cal
     keras_add, keras_save, keras_load = optimizer.add_variable, optimizer.save_own_variables, \
         optimizer.load_own_variables
 
-    def gather(replicas: Any) -> list[np.ndarray] | None:
-        whole = whole_values(optimizer.variables)
-        return whole if replicas.is_chief else None
-
-    state = ShardedState(gather)
+    # Every process ends up with the whole state (an all-gather): a stand-in's scratch save
+    # writes it too, since a process cannot read the parts it does not hold.
+    state = ShardedState(lambda: whole_values(optimizer.variables))
 
     def add_variable(*args: Any, layout: Any = None, **kwargs: Any) -> Any:
         shape = kwargs.get("shape", args[0] if args else ())
@@ -299,10 +310,7 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Cal
     def save_own_variables(store: Any) -> None:
         if not optimizer.built:
             return keras_save(store)
-        if state.whole is None:  # on the chief alone: a callback of fit's
-            raise KerasDistError(NO_SAVES)
-        for position, value in enumerate(state.whole):
-            store[str(position)] = value
+        _save_whole(state, store, keras_save)
 
     def load_own_variables(store: Any) -> None:
         if not optimizer.built:
@@ -313,6 +321,7 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Cal
                                  "file's")
         for position, variable in enumerate(optimizer.variables):
             place(variable, np.asarray(store[str(position)]))
+        _note_loaded(state, store)
 
     override(optimizer, "add_variable", add_variable)
     override(optimizer, "save_own_variables", save_own_variables)

@@ -163,6 +163,13 @@ class Replicas(abc.ABC):
         without writing the user's files."""
         return None
 
+    def collective_save_stand_in(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
+        """What a worker other than the chief runs for a `ModelCheckpoint` or `BackupAndRestore`
+        where the model's saves are collective (its optimizer's state sharded: each save
+        gathers every process's share): a copy saving into a scratch directory of its own,
+        run as the chief runs its own saves."""
+        raise NotImplementedError
+
     def describe(self) -> dict:
         return {"backend": self.name, "rank": self.rank, "size": self.size,
                 "local_rank": self.local_rank, "num_replicas": self.num_replicas}

@@ -73,7 +73,8 @@ class DistributedTraining:
         callbacks = arguments.get("callbacks")
         script_callbacks = list(callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
                                 else callbacks or [])
-        arguments["callbacks"] = callbacks_for_this_worker(script_callbacks, self.strategy)
+        arguments["callbacks"] = callbacks_for_this_worker(script_callbacks, self.strategy,
+                                                           self.gradient_options.shard is not None)
         if not self.strategy.is_chief:
             arguments["verbose"] = 0
         return arguments, script_callbacks
@@ -99,8 +100,6 @@ class DistributedTraining:
             self._choose_batch_logs(arguments["callbacks"])
         call = next(_FIT_CALLS)
         backup = resume.backup_of(script_callbacks)
-        if self.gradient_options.shard is not None:
-            optimizer_sharding.refuse_file_callbacks(script_callbacks, self.strategy.settings.backup_dir)
         # Notices and resuming inside an epoch need Keras's loop (a parameter server's own
         # loop resumes at the epoch).
         keras_loop = self.strategy.runs_keras_loops
@@ -109,7 +108,8 @@ class DistributedTraining:
         if automatic:
             backup = resume.automatic_backup(chosen.backup_dir, call)
             script_callbacks.append(backup)
-            arguments["callbacks"] += callbacks_for_this_worker([backup], self.strategy)
+            arguments["callbacks"] += callbacks_for_this_worker([backup], self.strategy,
+                                                                self.gradient_options.shard is not None)
         restart = chosen.restart
         if restart and self.strategy.is_chief and backup is None:
             logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
@@ -290,7 +290,7 @@ def attach(model: keras.Model, strategy: "Strategy", gradient_options: "Gradient
     override(model, "_keras_dist", training)
     script_saves.install(model, strategy)
     if gradient_options.shard is not None:
-        optimizer_sharding.gathering_saves(model, strategy)
+        optimizer_sharding.gathering_saves(model)
     return training
 
 

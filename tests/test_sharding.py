@@ -4,9 +4,10 @@ unsharded one, and as one process at the global batch."""
 
 import json
 
+import numpy as np
 import pytest
 
-from runner import PYTHON, WORKERS, assert_trains_like, configuration_command, run
+from runner import BIN, PYTHON, WORKERS, assert_trains_like, configuration_command, run
 
 pytestmark = pytest.mark.timeout(600)
 WORKER = WORKERS / "any_backend_worker.py"
@@ -56,6 +57,31 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
     assert code == 0 and "same state" in output, output[-3000:]
 
 
+@pytest.mark.parametrize("keras_backend", ["torch", "jax"])
+def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(tmp_path, keras_backend):
+    """`BackupAndRestore` every 5 steps and a `ModelCheckpoint` of the best epoch, loaded on every
+    rank after fit: the chief writes the whole state, the other rank's stand-in gathers its
+    share into a scratch copy; rank 1 is SIGKILLed after global step 14 (of 36, 12 an epoch), the launcher
+    restarts the job, the chief restores and every rank takes its share of the restored state."""
+    pytest.importorskip(keras_backend)
+    resume = WORKERS / "resume.py"
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    reference.mkdir()
+    killed.mkdir()
+    code, output = run([BIN / "keras-dist", "launch", "-n", 2, resume, reference, "arrays", "--callback-state"], 300,
+                       {"KERAS_BACKEND": keras_backend})
+    assert code == 0, output[-3000:]
+    code, output = run([BIN / "keras-dist", "launch", "-n", 2, "--max-restarts", 1, resume, killed, "arrays",
+                        "--callback-state", "--shard", "optimizer", "--kill-at", 14, "--kill-rank", 1], 300,
+                       {"KERAS_BACKEND": keras_backend})
+    assert code == 0 and (killed / "killed").exists(), output[-3000:]
+    assert (killed / "steps.rerun").read_text().split("\n")[0] == "0 10", output[-3000:]  # from global step 11 of 36
+    expected, resumed = np.load(reference / "result.npz"), np.load(killed / "result.npz")
+    assert sorted(expected.files) == sorted(resumed.files)
+    for name in expected.files:
+        np.testing.assert_allclose(resumed[name], expected[name], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 # Loads two saved models in one plain process; both must hold the same weights and optimizer state.
 LOAD_BOTH = """
 import sys, keras, numpy as np
@@ -69,8 +95,6 @@ print("same state", len(pairs))
 
 
 @pytest.mark.parametrize("keras_backend, case, arguments, error, processes", [
-    ("torch", "checkpoint", ["--callbacks"],
-     "ModelCheckpoint: fit cannot checkpoint a model compiled with shard='optimizer' yet", 2),
     ("torch", "chief_alone_saves", ["--adam", "--save", "chief"],
      "model.save gathers every process's share of the optimizer's state, but rank 1 on ", 1),
     # JAX's gather would wait for rank 1 forever: it ended cleanly.

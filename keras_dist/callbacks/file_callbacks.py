@@ -36,6 +36,8 @@ FILE_WRITING_CALLBACKS = (
     keras.callbacks.TensorBoard,
     keras.callbacks.CSVLogger,
 )
+# Those of them that save the model's state.
+_SAVING_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
 _CHIEF_ONLY: "weakref.WeakSet[keras.callbacks.Callback]" = weakref.WeakSet()
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT
 
@@ -56,12 +58,15 @@ def chief_only(callback: CallbackT) -> CallbackT:
 
 
 def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | keras.callbacks.CallbackList | None,
-                              strategy: "Replicas") -> list[keras.callbacks.Callback]:
+                              strategy: "Replicas", collective_saves: bool = False) -> list[keras.callbacks.Callback]:
     """The user's callbacks as this worker must run them.
 
     Args:
         callbacks: a list of callbacks, a `keras.callbacks.CallbackList`, or None.
         strategy: the active keras_dist strategy.
+        collective_saves: the model's saves gather every process's share of its state
+            (`shard="optimizer"`): a worker runs a stand-in of each checkpoint and backup
+            (`Replicas.collective_save_stand_in`).
 
     Returns:
         A new list. On the chief, every callback, checkpoints written atomically
@@ -79,7 +84,8 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
         guard_logs = make_log_failures_warn if strategy.size > 1 else (lambda c: c)
         return [strategy.chief_file_callback(guard_logs(make_writes_atomic(c)))
                 if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks]
-    kept = [strategy.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
+    kept = [strategy.collective_save_stand_in(c) if collective_saves and isinstance(c, _SAVING_CALLBACKS) else
+            strategy.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
             if c not in _CHIEF_ONLY]
     return [c for c in kept if c is not None]
 

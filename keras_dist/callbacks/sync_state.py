@@ -61,6 +61,8 @@ def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
         logger.info("the weights of rank(s) %s differed from the chief's before training; all now start from the "
                     "chief's (a checkpoint it restored, or weights made per process)", differing)
     strategy.broadcast_variables(variables)
+    for sharded in (o for o in optimizer_hooks.optimizers_of(model) if o.built and optimizer_sharding.is_sharded(o)):
+        optimizer_sharding.share_loaded_state(sharded, strategy)
 
 
 def check_same_variables(variables: Iterable[keras.Variable], strategy: "Replicas") -> None:

@@ -195,6 +195,13 @@ class Strategy(Replicas):
         """Sums a list of tensors over processes inside a train step (a `tf.function`, or an eager torch step)."""
         return tensors
 
+    def collective_save_stand_in(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
+        from keras_dist.strategies.scratch import ScratchCallback
+
+        stand_in = ScratchCallback(callback)
+        self.chief_file_callback(stand_in.inner)
+        return stand_in
+
     # --- host collectives (`Replicas`'s), through `self.collectives` ----------------
     def allgather_object(self, obj: Any) -> list:
         return self.collectives.allgather_object(obj)

@@ -130,7 +130,7 @@ class TorchDistributedStrategy(Strategy):
         name = f"optimizer{next(self._optimizer_numbers)}"
         if options.shard == "optimizer":
             optimizer_sharding.shard_state(
-                optimizer, self.rank, self.size,
+                optimizer, self,
                 lambda grads: self._allreduce_in_buckets(grads, options, f"{name}.gradients"),
                 self._broadcast_from_owners)
             return
