@@ -16,6 +16,16 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is a failed allocation: Python's `MemoryError`, PyTorch's (its CPU
+    allocator's `RuntimeError`, CUDA's `OutOfMemoryError`), XLA's `RESOURCE_EXHAUSTED`, or
+    TensorFlow's `ResourceExhaustedError`."""
+    if isinstance(error, MemoryError) or type(error).__name__ in ("OutOfMemoryError", "ResourceExhaustedError"):
+        return True
+    text = str(error)
+    return "can't allocate memory" in text or ("RESOURCE_EXHAUSTED" in text and "memory" in text.lower())
+
+
 class PeerFailure(KerasDistError):
     """Another process of the job stopped answering: its machine froze, lost its network or ended.
 

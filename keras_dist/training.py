@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from keras_dist import inputs, keras_internals, optimizer_hooks, optimizer_sharding
-from keras_dist.errors import KerasDistError
+from keras_dist.errors import KerasDistError, first_line, is_out_of_memory
 from keras_dist.logs import flat_logs, metric_results
 from keras_dist.fault_tolerance import background_writes, resume, script_saves
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
@@ -144,6 +144,10 @@ class DistributedTraining:
         with self._flag("in_fit"), resumes, watched(self.strategy):
             try:
                 history = self.strategy.run_loop("fit", self.model, self.keras_fit, arguments)
+            except Exception as exc:
+                if self.strategy.size > 1 and is_out_of_memory(exc):
+                    raise self._out_of_memory(exc) from None
+                raise
             finally:
                 # Where fit raised, Keras skips `on_train_end`: the backup written in the
                 # background is complete before the script, or a rerun in this process, reads it.
@@ -154,6 +158,15 @@ class DistributedTraining:
             self.strategy.barrier()
         self.synced = True
         return history
+
+    def _out_of_memory(self, error: Exception) -> KerasDistError:
+        """The one line for a process that ran out of memory in fit, naming what holds less."""
+        fix = ("run more processes (each keeps 1/N of the optimizer's state) or a smaller batch"
+               if self.gradient_options.shard is not None and self.strategy.shards_optimizer_state else
+               "keras_dist.compile(model, ..., shard='optimizer') keeps 1/N of the optimizer's state on each of N "
+               "processes (docs/sharding.md), or train with a smaller batch"
+               if self.strategy.shards_optimizer_state else "train with a smaller batch or a smaller model")
+        return KerasDistError(f"rank {self.strategy.rank} ran out of memory in fit ({first_line(error)}); {fix}")
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         local_steps = self.strategy.process_local_steps(self.model)
