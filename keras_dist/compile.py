@@ -15,7 +15,7 @@ def compile(
     gradient_reduction: Literal["mean", "sum"] = "mean",
     gradient_compression: Literal["fp16", "bf16"] | None = None,
     scale_learning_rate: bool = False,
-    shard: Literal["optimizer"] | None = None,
+    shard: Literal["optimizer", "weights"] | None = None,
     **kwargs: Any,
 ) -> None:
     """Compiles `model` for distributed training on the active strategy.
@@ -38,7 +38,9 @@ def compile(
         shard: `None` (default), or `"optimizer"`: each process keeps the optimizer's
             state (Adam's moments) for its share of the variables only, about 1/N of it,
             and updates those; the result is the unsharded one's (ZeRO stage 1; PyTorch and
-            JAX so far, and no checkpoints during fit yet: docs/sharding.md).
+            JAX). `"weights"` (JAX): the model's trainable weights are split over the
+            processes too while fit runs, each gathered where the step uses it (ZeRO stage
+            3, docs/sharding.md).
         **kwargs: passed to `model.compile`.
 
     `keras_dist.compile(model)` alone recompiles a compiled model (one `keras.models.load_model`

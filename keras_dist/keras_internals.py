@@ -267,6 +267,11 @@ def set_jax_value(variable: Any, value: Any) -> None:
     variable._value = value
 
 
+def set_jax_layout(variable: Any, layout: Any) -> None:
+    """Gives a JAX variable the layout (`_layout`) by which `jax_sharding` places it, for keras_dist's weights split over the mesh during fit; private attribute."""
+    variable._layout = layout
+
+
 def drop_jax_layout(variable: Any) -> None:
     """Forgets a JAX variable's layout (`_layout`): its value stays where it is until `jax_sharding` asks the distribution again, for keras_dist's steps on one process's devices; private attribute."""
     variable._layout = None

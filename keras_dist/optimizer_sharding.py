@@ -45,7 +45,8 @@ class ShardedState:
     collective: the unsharded state in its order, on the chief at least), while a save
     runs the whole state so gathered, and the whole state it last loaded (`share_loaded_state`)."""
 
-    def __init__(self, gather: Callable[[], list[np.ndarray] | None]) -> None:
+    def __init__(self, gather: Callable[[], list[np.ndarray] | None], level: str = "optimizer") -> None:
+        self.level = level  # "weights": the model's weights are split too (JAX, during fit)
         self.variables: list | None = None
         self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
         self.gather = gather
@@ -162,14 +163,14 @@ def _note_loaded(state: ShardedState, store: Any) -> None:
 
 def check_level(shard: str, strategy: Any) -> None:
     """One line where `shard` is not a level, or not one this strategy (`Strategy`) shards."""
-    if shard == "weights":
-        raise KerasDistError("shard='weights' (weights sharded too) is not built yet; shard='optimizer' shards the "
-                             "optimizer's state")
-    if shard != "optimizer":
-        raise KerasDistError(f"shard must be None or 'optimizer', got {shard!r}")
+    if shard not in ("optimizer", "weights"):
+        raise KerasDistError(f"shard must be None, 'optimizer' or 'weights', got {shard!r}")
     if strategy.size > 1 and not strategy.shards_optimizer_state:
         raise KerasDistError(f"backend {strategy.name!r} cannot shard the optimizer's state yet; run on PyTorch or JAX "
                              "(KERAS_BACKEND=torch or jax) or drop shard")
+    if shard == "weights" and strategy.size > 1 and not strategy.shards_weights:
+        raise KerasDistError(f"backend {strategy.name!r} cannot shard the weights yet, only the optimizer's state: "
+                             "use shard='optimizer', or run on JAX (KERAS_BACKEND=jax)")
 
 
 def owners(variables: Sequence[Any], size: int) -> list[int]:
@@ -282,7 +283,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
 
 def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Callable[[tuple], Any],
                           whole_values: Callable[[list], list[np.ndarray]],
-                          place: Callable[[Any, np.ndarray], None]) -> None:
+                          place: Callable[[Any, np.ndarray], None], level: str = "optimizer") -> None:
     """Makes every slot `optimizer` builds one array split over the job's mesh (JAX).
 
     Args:
@@ -292,6 +293,7 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Cal
         whole_values: the variables' whole values (collective: every process calls it; raises
             `PeerFailure` where one does not).
         place: sets a variable to a whole value, each process keeping its part (no collective).
+        level: "optimizer", or "weights" where the strategy splits the model's weights too.
     """
     if is_sharded(optimizer):
         return
@@ -301,7 +303,7 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Cal
 
     # Every process ends up with the whole state (an all-gather): a stand-in's scratch save
     # writes it too, since a process cannot read the parts it does not hold.
-    state = ShardedState(lambda: whole_values(optimizer.variables))
+    state = ShardedState(lambda: whole_values(optimizer.variables), level)
 
     def add_variable(*args: Any, layout: Any = None, **kwargs: Any) -> Any:
         shape = kwargs.get("shape", args[0] if args else ())

@@ -163,6 +163,15 @@ class Replicas(abc.ABC):
         without writing the user's files."""
         return None
 
+    def after_initial_sync(self, model: "keras.Model") -> None:
+        """Called on every process at fit's start once every process holds the chief's state
+        (a restored backup included), before the first step."""
+
+    def replicated_weights(self, weights: Sequence["keras.Variable"]) -> list:
+        """Those of `weights` each process holds a copy of, which can differ across processes
+        (not those split over them, of which there is one)."""
+        return list(weights)
+
     def collective_save_stand_in(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
         """What a worker other than the chief runs for a `ModelCheckpoint` or `BackupAndRestore`
         where the model's saves are collective (its optimizer's state sharded: each save

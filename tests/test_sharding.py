@@ -24,14 +24,14 @@ def results(out, processes):
     return [json.loads((out / f"result-{rank}.json").read_text()) for rank in range(processes)]
 
 
-@pytest.mark.parametrize("keras_backend, configuration, state_overhead", [
+@pytest.mark.parametrize("keras_backend, configuration, levels, state_overhead", [
     # Each rank's own iteration count and learning rate (8 bytes) beyond the whole state's.
-    ("torch", "torchrun_2", 8),
+    ("torch", "torchrun_2", ["optimizer"], 8),
     # ...and on JAX, the moments of the last bias (1 weight), which no axis splits over 2 devices.
-    ("jax", "launch_2", 16),
+    ("jax", "launch_2", ["optimizer", "weights"], 16),
 ])
 def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_half_the_state(
-        tmp_path, keras_backend, configuration, state_overhead):
+        tmp_path, keras_backend, configuration, levels, state_overhead):
     pytest.importorskip(keras_backend)
     common = ["--adam", "--global-clipnorm", "0.5", "--samples", 64, "--epochs", 2]
     code, output = train(tmp_path / "reference", "keras_dist_1", keras_backend, "--batch", 16, *common)
@@ -40,25 +40,29 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
     code, output = train(tmp_path / "unsharded", configuration, keras_backend, "--batch", 8, "--save", "every", *common)
     assert code == 0, output[-3000:]
     unsharded = results(tmp_path / "unsharded", 2)
-    code, output = train(tmp_path / "sharded", configuration, keras_backend, "--batch", 8, "--shard", "optimizer",
-                         "--save", "every", *common)
-    assert code == 0, output[-3000:]
-    sharded = results(tmp_path / "sharded", 2)
-    for result in sharded:
-        assert_trains_like(result, reference)
-    # Adam's moments split over the two ranks: PyTorch's by whole variables (by bytes: the
-    # first kernel's 20 weights on rank 0, the other 9 on rank 1), JAX's each along an axis.
-    whole = unsharded[0]["optimizer_state_bytes"]
-    shares = [r["optimizer_state_bytes"] for r in sharded]
-    assert all(share < whole for share in shares) and sum(shares) == whole + state_overhead, (shares, whole)
-    # model.save on every process, as the script calls it: one whole file, as the unsharded job's.
-    code, output = run([PYTHON, "-c", LOAD_BOTH, tmp_path / "sharded" / "model.keras",
-                        tmp_path / "unsharded" / "model.keras"], 120, {"KERAS_BACKEND": keras_backend})
-    assert code == 0 and "same state" in output, output[-3000:]
+    for level in levels:
+        code, output = train(tmp_path / level, configuration, keras_backend, "--batch", 8, "--shard", level,
+                             "--save", "every", *common)
+        assert code == 0, output[-3000:]
+        sharded = results(tmp_path / level, 2)
+        for result in sharded:
+            assert_trains_like(result, reference)
+        # Adam's moments split over the two ranks: PyTorch's by whole variables (by bytes: the
+        # first kernel's 20 weights on rank 0, the other 9 on rank 1), JAX's each along an axis.
+        whole = unsharded[0]["optimizer_state_bytes"]
+        shares = [r["optimizer_state_bytes"] for r in sharded]
+        assert all(share < whole for share in shares) and sum(shares) == whole + state_overhead, (level, shares, whole)
+        # Under "weights", the 29 weights too while fit runs: 15 on each rank (the last bias on both).
+        held = [r["weights_bytes_in_fit"] for r in sharded]
+        assert held == ([15 * 4] * 2 if level == "weights" else [29 * 4] * 2), (level, held)
+        # model.save on every process, as the script calls it: one whole file, as the unsharded job's.
+        code, output = run([PYTHON, "-c", LOAD_BOTH, tmp_path / level / "model.keras",
+                            tmp_path / "unsharded" / "model.keras"], 120, {"KERAS_BACKEND": keras_backend})
+        assert code == 0 and "same state" in output, output[-3000:]
 
 
-@pytest.mark.parametrize("keras_backend", ["torch", "jax"])
-def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(tmp_path, keras_backend):
+@pytest.mark.parametrize("keras_backend, level", [("torch", "optimizer"), ("jax", "weights")])
+def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(tmp_path, keras_backend, level):
     """`BackupAndRestore` every 5 steps and a `ModelCheckpoint` of the best epoch, loaded on every
     rank after fit: the chief writes the whole state, the other rank's stand-in gathers its
     share into a scratch copy; rank 1 is SIGKILLed after global step 14 (of 36, 12 an epoch), the launcher
@@ -72,7 +76,7 @@ def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(
                        {"KERAS_BACKEND": keras_backend})
     assert code == 0, output[-3000:]
     code, output = run([BIN / "keras-dist", "launch", "-n", 2, "--max-restarts", 1, resume, killed, "arrays",
-                        "--callback-state", "--shard", "optimizer", "--kill-at", 14, "--kill-rank", 1], 300,
+                        "--callback-state", "--shard", level, "--kill-at", 14, "--kill-rank", 1], 300,
                        {"KERAS_BACKEND": keras_backend})
     assert code == 0 and (killed / "killed").exists(), output[-3000:]
     assert (killed / "steps.rerun").read_text().split("\n")[0] == "0 10", output[-3000:]  # from global step 11 of 36

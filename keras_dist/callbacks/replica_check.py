@@ -32,7 +32,8 @@ class ReplicaCheck(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         average_statistics(self.model, self.strategy)
-        digests = self.strategy.allgather_object(weights_digest(self.model.trainable_weights))
+        digests = self.strategy.allgather_object(weights_digest(self.strategy.replicated_weights(
+            self.model.trainable_weights)))
         differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
         if differing:
             raise KerasDistError(

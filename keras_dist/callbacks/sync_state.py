@@ -63,6 +63,7 @@ def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
     strategy.broadcast_variables(variables)
     for sharded in (o for o in optimizer_hooks.optimizers_of(model) if o.built and optimizer_sharding.is_sharded(o)):
         optimizer_sharding.share_loaded_state(sharded, strategy)
+    strategy.after_initial_sync(model)
 
 
 def check_same_variables(variables: Iterable[keras.Variable], strategy: "Replicas") -> None:

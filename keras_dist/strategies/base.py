@@ -42,8 +42,9 @@ class GradientOptions:
         reduction: `"mean"` (default) or `"sum"`.
         compression: `None`, `"fp16"` or `"bf16"` (halves the bytes on the wire;
             gradients are cast back to their dtype after the reduction).
-        shard: `None`, or `"optimizer"`: each process keeps the optimizer's state for its
-            share of the variables only (`keras_dist.optimizer_sharding`).
+        shard: `None`, `"optimizer"`: each process keeps the optimizer's state for its
+            share of the variables only (`keras_dist.optimizer_sharding`), or `"weights"`:
+            the model's weights are split over the processes too, during fit.
     """
 
     reduction: str = "mean"
@@ -110,6 +111,8 @@ class Strategy(Replicas):
     shares_random_seed: ClassVar[bool] = False
     # True when `distribute_optimizer` takes `GradientOptions.shard="optimizer"`.
     shards_optimizer_state: ClassVar[bool] = False
+    # True when it also takes `GradientOptions.shard="weights"`.
+    shards_weights: ClassVar[bool] = False
     # False when `run_loop` replaces Keras's fit/evaluate/predict loops with the
     # strategy's own (parameter servers), which then read epoch logs themselves.
     runs_keras_loops: ClassVar[bool] = True

@@ -276,6 +276,7 @@ class JaxDataParallelStrategy(Strategy):
     name = "jax"
     shares_random_seed = True
     shards_optimizer_state = True
+    shards_weights = True
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -300,6 +301,8 @@ class JaxDataParallelStrategy(Strategy):
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
         self._local_depth = 0
         self._gathers = 0  # `_whole_values` calls so far, which every process counts alike
+        # The trainable weights split over the mesh in the fit under way (shard="weights"), by id.
+        self._split_weights: dict[int, keras.distribution.TensorLayout] = {}
 
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
@@ -320,7 +323,7 @@ class JaxDataParallelStrategy(Strategy):
             # `fit` made before (building an unbuilt model, its optimizer's and metrics')
             # were made on one device, where `on_the_mesh` could not see them yet.
             if keras.distribution.distribution() is self.distribution:
-                _replicate(_variables_of(model))
+                _replicate(_variables_of(model), self._split_weights)
             return make_train_function(force)
 
         override(model, "make_train_function", make_train_function_on_the_mesh)
@@ -352,7 +355,8 @@ class JaxDataParallelStrategy(Strategy):
             yield
         finally:
             keras.distribution.set_distribution(idle)
-            _localize(_variables_of(model))
+            _localize(_variables_of(model), self._split_weights)
+            self._split_weights.clear()
 
     def _who_exited(self, error: Exception) -> PeerFailure:
         """A peer closed its connections: it ended (a frozen one times out instead, `_PeerWatch`).
@@ -370,10 +374,28 @@ class JaxDataParallelStrategy(Strategy):
         if options.compression is not None or options.reduction != "mean":
             raise KerasDistError("backend 'jax' averages gradients inside XLA's step; drop gradient_compression "
                                  "and gradient_reduction from keras_dist.compile")
-        if options.shard == "optimizer":
+        if options.shard is not None:
             # Each slot is split over the mesh; XLA's step then updates each device's part and
             # gathers the updated variables. The slots stay split outside fit (`_localize`).
-            optimizer_sharding.shard_state_by_layout(optimizer, self._split_layout, self._whole_values, _place)
+            optimizer_sharding.shard_state_by_layout(optimizer, self._split_layout, self._whole_values, _place,
+                                                     options.shard)
+
+    def after_initial_sync(self, model: keras.Model) -> None:
+        """Under shard="weights", splits the model's trainable weights over the mesh, once every
+        process holds the same (a backup the chief restored included), and compiles the step
+        again: its outputs keep the split, and XLA gathers each weight where the step uses it."""
+        state = optimizer_sharding.sharded_state(model.optimizer) if model.optimizer is not None else None
+        if state is None or state.level != "weights" or keras.distribution.distribution() is not self.distribution:
+            return
+        for variable in model.trainable_variables:
+            layout = self._split_layout(tuple(variable.shape))
+            if layout is not None:
+                self._split_weights[id(variable)] = layout
+        _replicate(_variables_of(model), self._split_weights)
+        model.make_train_function(force=True)
+
+    def replicated_weights(self, weights: Sequence[keras.Variable]) -> list:
+        return [w for w in weights if id(w) not in self._split_weights]
 
     def _whole_values(self, variables: Sequence[keras.Variable]) -> list[np.ndarray]:
         """Each variable's whole value, on every process (collective: first every process
@@ -424,7 +446,7 @@ class JaxDataParallelStrategy(Strategy):
         if self.num_replicas == 1 or self._local_depth:
             yield
             return
-        _localize(_variables_of(model))
+        _localize(_variables_of(model), self._split_weights)
         global_functions = (model.test_function, model.predict_function)
         model.test_function, model.predict_function = getattr(model, "_keras_dist_local_functions", (None, None))
         in_fit = keras.distribution.distribution()
@@ -438,7 +460,8 @@ class JaxDataParallelStrategy(Strategy):
             override(model, "_keras_dist_local_functions", (model.test_function, model.predict_function))
             model.test_function, model.predict_function = global_functions
             if in_fit is self.distribution:
-                _replicate(_variables_of(model))  # those made meanwhile too (a model built by evaluate)
+                # Those made meanwhile too (a model built by evaluate).
+                _replicate(_variables_of(model), self._split_weights)
 
     def chief_file_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
         """The chief saves and restores alone, so process-locally; its other hooks (and
@@ -463,8 +486,9 @@ class JaxDataParallelStrategy(Strategy):
         return {**super().describe(), "devices": [str(d) for d in self._jax.devices()]}
 
 
-def _replicate(variables):
-    """Places each variable not yet on the distribution's layout there, from this process's value.
+def _replicate(variables, split=None):
+    """Places each variable not yet on the distribution's layout there, from this process's value
+    (or, for those in `split`, by id, on that layout: split over the mesh).
 
     Built from this process's own copy on each of its devices, with no collective: JAX's
     `device_put` would check with every process that the values agree. Variables that
@@ -474,6 +498,8 @@ def _replicate(variables):
     import jax
 
     for variable in variables:
+        if split and id(variable) in split:
+            keras_internals.set_jax_layout(variable, split[id(variable)])
         sharding = keras_internals.jax_sharding(variable)
         if sharding is None:
             continue  # no distribution
@@ -508,14 +534,19 @@ def _whole_value(variable) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
-def _localize(variables):
-    """Makes each variable this process's own copy, on its first device, with no layout."""
+def _localize(variables, split=None):
+    """Makes each variable this process's own copy, on its first device, with no layout; those in
+    `split` (by id) are gathered whole (collective: every process calls it alike)."""
     import jax
 
     for variable in variables:
         value = keras_internals.variable_value(variable)
         if not isinstance(value, jax.Array):
             continue  # not made yet
+        if split and id(variable) in split:
+            keras_internals.set_jax_value(variable, jax.numpy.array(_whole_value(variable)))
+            keras_internals.drop_jax_layout(variable)
+            continue
         if not value.sharding.is_fully_replicated:
             continue  # a sharded optimizer's slot, which stays split (`shard_state_by_layout`)
         # A copy: Keras's step donates its state, and this process's shard of the global

@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--shard optimizer] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile]
+       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--shard optimizer|weights] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile]
        [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
@@ -22,7 +22,7 @@ parser.add_argument("--eval-samples", type=int, default=17)
 parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
 parser.add_argument("--adam", action="store_true")
 parser.add_argument("--global-clipnorm", type=float, help="the optimizer's global_clipnorm")
-parser.add_argument("--shard", choices=["optimizer"], help="keras_dist's shard")
+parser.add_argument("--shard", choices=["optimizer", "weights"], help="keras_dist's shard")
 parser.add_argument("--save", choices=["every", "chief"],
                     help="every process, or the chief alone, calls model.save(OUT_DIR/model.keras) after fit")
 parser.add_argument("--compression", choices=["fp16", "bf16"], help="keras_dist's gradient_compression")
@@ -104,7 +104,16 @@ class KillAtEpochEnd(keras.callbacks.Callback):
             os.kill(os.getpid(), 9)
 
 
-callbacks = [KillAtEpochEnd()]
+class HeldAtTrainEnd(keras.callbacks.Callback):
+    """The bytes of trainable weights this process holds at fit's end, still inside fit."""
+
+    held = None
+
+    def on_train_end(self, logs=None):
+        HeldAtTrainEnd.held = sum(held_bytes(v) for v in self.model.trainable_variables)
+
+
+callbacks = [KillAtEpochEnd(), HeldAtTrainEnd()]
 if args.callbacks:
     callbacks += [
         keras.callbacks.ModelCheckpoint(os.path.join(args.out, "ckpt.weights.h5"), save_weights_only=True),
@@ -166,6 +175,7 @@ result = {
     "evaluate": evaluation,
     "predict": prediction.tolist(),
     "optimizer_state_bytes": sum(held_bytes(v) for v in model.optimizer.variables),
+    "weights_bytes_in_fit": HeldAtTrainEnd.held,
 }
 with open(os.path.join(args.out, f"result-{ctx.rank}.json"), "w") as f:
     json.dump(result, f)

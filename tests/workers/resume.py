@@ -2,7 +2,7 @@
 
     python resume.py OUT_DIR INPUT [--kill-at STEP] [--kill-rank R] [--during-save] [--save-freq K]
                      [--notice-at STEP --notice-to launcher|self] [--no-backup] [--step-seconds S]
-                     [--record-samples] [--callback-state] [--shard optimizer]
+                     [--record-samples] [--callback-state] [--shard optimizer|weights]
 
 INPUT: arrays (shuffle=True), tf_data (a map with per-element work), py_dataset or
 data_loader (shuffle=True). 96 samples, batch 4 per replica, 3 epochs, a Dropout (its
@@ -24,7 +24,7 @@ With --callback-state, a `ModelCheckpoint(save_best_only=True)` whose monitor ge
 callback of the script's keeps its own state (`get_state`/`set_state`: the epochs it saw),
 a `CSVLogger` writes OUT_DIR/log.csv and a `TensorBoard` OUT_DIR/tensorboard (every step);
 result.npz also holds the best checkpoint's weights (`best_*`) and that count.
---shard optimizer compiles with keras_dist's sharded optimizer state.
+--shard compiles with keras_dist's sharded optimizer state (and weights).
 """
 
 import argparse
@@ -52,7 +52,7 @@ parser.add_argument("--no-backup", action="store_true")
 parser.add_argument("--step-seconds", type=float, default=0.0)
 parser.add_argument("--record-samples", action="store_true")
 parser.add_argument("--callback-state", action="store_true")
-parser.add_argument("--shard", choices=["optimizer"])
+parser.add_argument("--shard", choices=["optimizer", "weights"])
 args = parser.parse_args()
 
 ctx = keras_dist.init()
