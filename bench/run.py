@@ -77,8 +77,9 @@ jax_mlp and torch_mlp run, 1 thread per process:
                       the DDP wrap of Keras >= 3.16), each fitting its share
   handwritten_2       that framework's own loop, 2 processes: a jitted JAX step over a mesh
                       of both processes' devices, or a torch.nn model under DDP
-  keras_dist_adam_2   torch_mlp only: keras_dist_2 with Adam; keras_dist_shard_2 the same with
-                      its state sharded over the processes (shard="optimizer")
+  keras_dist_adam_2   keras_dist_2 with Adam; keras_dist_shard_2 the same with its state sharded
+                      over the processes (shard="optimizer"); jax_mlp only: keras_dist_shard_weights_2,
+                      the weights split too (shard="weights")
   keras_dist_hvd_2    torch_mlp only: the two-line change under horovodrun -np 2 (Horovod's
                       torch operations instead of torch.distributed)
   handwritten_hvd_2   torch_mlp only: the torch.nn model with Horovod's DistributedOptimizer
@@ -251,10 +252,15 @@ CONFIGS = {
 }
 CONFIGS["torch"] += [Config(name, mode, 2, "horovod", env={"KERAS_BACKEND": "torch"}, worker="backend_worker.py")
                      for name, mode in (("keras_dist_hvd_2", "keras_dist"), ("handwritten_hvd_2", "handwritten"))]
-# Adam, its state unsharded and sharded over the 2 processes (keras_dist.compile(shard="optimizer")).
-CONFIGS["torch"] += [Config(name, "keras_dist", 2, "torch", env={"KERAS_BACKEND": "torch", "BENCH_OPTIMIZER": "adam",
-                                                                  **shard}, worker="backend_worker.py")
-                     for name, shard in (("keras_dist_adam_2", {}), ("keras_dist_shard_2", {"BENCH_SHARD": "optimizer"}))]
+# Adam, its state unsharded and sharded over the 2 processes (keras_dist.compile(shard="optimizer"));
+# on JAX the weights split too (shard="weights").
+SHARD_LEVELS = {"torch": (("keras_dist_adam_2", {}), ("keras_dist_shard_2", {"BENCH_SHARD": "optimizer"})),
+                "jax": (("keras_dist_adam_2", {}), ("keras_dist_shard_2", {"BENCH_SHARD": "optimizer"}),
+                        ("keras_dist_shard_weights_2", {"BENCH_SHARD": "weights"}))}
+for backend, levels in SHARD_LEVELS.items():
+    CONFIGS[backend] += [Config(name, "keras_dist", 2, backend, env={"KERAS_BACKEND": backend, "BENCH_OPTIMIZER": "adam",
+                                                                   **shard}, worker="backend_worker.py")
+                         for name, shard in levels]
 SPS, CPU, EPOCH_CPU = "samples_per_s", "cpu_s_per_sample", "cpu_s_per_epoch_worker"
 # model kind -> ratios: (name, numerator, denominator, figure, target from issue 10 or None)
 RATIOS = {

@@ -1,12 +1,20 @@
-"""Per-process memory of Adam's state, unsharded and sharded (`shard="optimizer"`), measured.
+"""Per-process memory of Adam's state, unsharded and sharded (`shard=`), measured.
 
-    .venv/bin/python bench/sharding_memory.py [--processes 2] [--width 4096] [--rounds 2]
+    .venv/bin/python bench/sharding_memory.py [--backend torch|jax] [--processes 2] [--width 4096] [--rounds 2]
+    .venv/bin/python bench/sharding_memory.py --backend jax --cap-mib 2200
 
-Each round runs, alternated, `keras-dist launch -n N` on Keras's PyTorch backend of an MLP
-(4 Dense layers of --width units: about 50M weights at 4096) trained 6 steps with Adam,
-once unsharded and once sharded. Every process reports the bytes of its optimizer's
-variables and its peak resident memory (`ru_maxrss`); printed: a line per process, then
-the medians of both settings and their ratios, and as the last line a JSON object.
+Each round runs, alternated, `keras-dist launch -n N` on Keras's PyTorch (or JAX) backend
+of an MLP (3 Dense layers of --width units and one of 10: about 50M weights at 4096) trained 6 steps
+with Adam, once unsharded and once per level of sharding the backend has ("optimizer";
+JAX: "weights" too). Every process reports the bytes of its optimizer's variables that
+it holds and its peak resident memory (`ru_maxrss`); printed: a line per process, then
+the medians of each setting and their ratios to unsharded, and as the last line a JSON
+object.
+
+With --cap-mib, each process's data memory is capped (`RLIMIT_DATA`, as
+tests/workers/memory_cap.py does) and, for each setting, the widest MLP (a multiple of
+256 units) that still trains is found by bisection; printed: a line per try, then the
+widest per setting and its weights.
 """
 
 import argparse
@@ -22,7 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def worker(out: str, width: int, shard: str | None) -> None:
+def worker(out: str, width: int, shard: str | None, cap_mib: int | None) -> None:
+    if cap_mib:  # before the frameworks load, as on a device: what they allocate counts
+        resource.setrlimit(resource.RLIMIT_DATA, (cap_mib * 2**20, cap_mib * 2**20))
     import keras
     import numpy as np
 
@@ -38,46 +48,90 @@ def worker(out: str, width: int, shard: str | None) -> None:
     y = np.zeros(len(x), "int32")
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     report = {"rank": context.rank, "weights": model.count_params(),
-              "optimizer_bytes": sum(int(np.prod(v.shape)) * 4 for v in model.optimizer.variables),
+              "optimizer_bytes": sum(held_bytes(v) for v in model.optimizer.variables),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     with open(os.path.join(out, f"memory-{context.rank}.json"), "w") as f:
         json.dump(report, f)
 
 
-def measure(processes: int, width: int, shard: str | None) -> list[dict]:
+def held_bytes(variable) -> int:
+    """The bytes of a float32 variable this process holds: its own parts where JAX splits it."""
+    import numpy as np
+
+    shards = getattr(variable.value, "addressable_shards", None)
+    shapes = [shard.data.shape for shard in shards] if shards is not None else [variable.shape]
+    return sum(int(np.prod(shape)) * 4 for shape in shapes)
+
+
+def measure(backend: str, processes: int, width: int, shard: str | None, cap_mib: int | None = None) -> list[dict]:
+    """Every process's report; empty where the job failed (under a cap: out of memory)."""
     with tempfile.TemporaryDirectory() as out:
         command = [str(Path(sys.executable).parent / "keras-dist"), "launch", "-n", str(processes),
-                   __file__, "--worker", out, "--width", str(width), *(["--shard", shard] if shard else [])]
-        subprocess.run(command, check=True, timeout=1200, env={**os.environ, "KERAS_BACKEND": "torch"},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   __file__, "--worker", out, "--width", str(width), *(["--shard", shard] if shard else []),
+                   *(["--cap-mib", str(cap_mib)] if cap_mib else [])]
+        done = subprocess.run(command, timeout=1200, env={**os.environ, "KERAS_BACKEND": backend},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if done.returncode != 0:
+            if cap_mib:
+                return []
+            raise RuntimeError(f"{command} exited with {done.returncode}")
         return [json.loads(Path(out, f"memory-{rank}.json").read_text()) for rank in range(processes)]
+
+
+def widest_under_cap(backend: str, processes: int, shard: str | None, cap_mib: int) -> dict:
+    """The widest MLP (a multiple of 256 units) that trains with every process under `cap_mib`,
+    and its weights."""
+    low, high, weights = 0, 48, 0  # in units of 256: trains at low (0: nothing tried), fails at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        reports = measure(backend, processes, middle * 256, shard, cap_mib)
+        print(f"{shard or 'unsharded':9} width {middle * 256}: {'trains' if reports else 'out of memory'}", flush=True)
+        if reports:
+            low, weights = middle, reports[0]["weights"]
+        else:
+            high = middle
+    return {"width": low * 256, "weights": weights}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", choices=["torch", "jax"], default="torch")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cap-mib", type=int)
     parser.add_argument("--shard", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.width, args.shard)
-    found: dict[str, list[dict]] = {"unsharded": [], "sharded": []}
+        return worker(args.worker, args.width, args.shard, args.cap_mib)
+    settings = {"unsharded": None, "optimizer": "optimizer", **({"weights": "weights"} if args.backend == "jax" else {})}
+    if args.cap_mib:
+        widest = {name: widest_under_cap(args.backend, args.processes, shard, args.cap_mib)
+                  for name, shard in settings.items()}
+        for name, found in widest.items():
+            print(f"under {args.cap_mib} MiB a process, {args.processes} processes, {name}: widest {found['width']} "
+                  f"({found['weights']} weights)")
+        print(json.dumps({"backend": args.backend, "processes": args.processes, "cap_mib": args.cap_mib,
+                          "widest": widest}))
+        return
+    found: dict[str, list[dict]] = {name: [] for name in settings}
     for round_number in range(args.rounds):
-        for name, shard in (("unsharded", None), ("sharded", "optimizer")):
-            for report in measure(args.processes, args.width, shard):
+        for name, shard in settings.items():
+            for report in measure(args.backend, args.processes, args.width, shard):
                 found[name].append(report)
                 print(f"round {round_number + 1} {name:9} rank {report['rank']}: {report['weights']} weights, optimizer "
                       f"{report['optimizer_bytes'] / 2**20:.1f} MiB, peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB",
                       flush=True)
-    medians = {name: {key: statistics.median(r[key] for r in reports) for key in ("optimizer_bytes", "peak_rss_bytes")}
-               for name, reports in found.items()}
-    ratios = {key: medians["sharded"][key] / medians["unsharded"][key] for key in ("optimizer_bytes", "peak_rss_bytes")}
-    print(f"sharded / unsharded, medians over processes and rounds: optimizer state {ratios['optimizer_bytes']:.3f}, "
-          f"peak RSS {ratios['peak_rss_bytes']:.3f}")
-    print(json.dumps({"processes": args.processes, "width": args.width, "medians": medians, "ratios": ratios,
-                      "runs": found}))
+    keys = ("optimizer_bytes", "peak_rss_bytes")
+    medians = {name: {key: statistics.median(r[key] for r in reports) for key in keys} for name, reports in found.items()}
+    ratios = {name: {key: medians[name][key] / medians["unsharded"][key] for key in keys}
+              for name in settings if name != "unsharded"}
+    for name, ratio in ratios.items():
+        print(f"{name} / unsharded, medians over processes and rounds: optimizer state "
+              f"{ratio['optimizer_bytes']:.3f}, peak RSS {ratio['peak_rss_bytes']:.3f}")
+    print(json.dumps({"backend": args.backend, "processes": args.processes, "width": args.width, "medians": medians,
+                      "ratios": ratios, "runs": found}))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def compile(
             and updates those; the result is the unsharded one's (ZeRO stage 1; PyTorch and
             JAX). `"weights"` (JAX): the model's trainable weights are split over the
             processes too while fit runs, each gathered where the step uses it (ZeRO stage
-            3, docs/sharding.md).
+            3, docs/sharding.md). Unset: `KERAS_DIST_SHARD`'s, if set.
         **kwargs: passed to `model.compile`.
 
     `keras_dist.compile(model)` alone recompiles a compiled model (one `keras.models.load_model`
@@ -66,6 +66,7 @@ def compile(
     if not args and not kwargs and model.compiled:
         kwargs = _compiled_with(model)
     strategy = runtime.current()
+    shard = shard if shard is not None else strategy.settings.shard
     if shard is not None:
         optimizer_sharding.check_level(shard, strategy)
     overrides.restore(model)  # compiled before: start again from Keras's own methods

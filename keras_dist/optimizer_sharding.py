@@ -1,9 +1,9 @@
 """Optimizer state sharded across processes (`keras_dist.compile(..., shard="optimizer")`, ZeRO stage 1).
 
-Every process keeps the whole model and computes gradients for all of it, as in data
-parallel training; but each variable has one owner process (`owners`: consecutive
-variables, about 1/N of the bytes each), and only the owner builds the optimizer's state
-for it (Adam's two moments) and updates it. The updated variables then travel from their
+On PyTorch (`shard_state`), every process keeps the whole model and computes gradients
+for all of it, as in data parallel training; but each variable has one owner process
+(`owners`: consecutive variables, about 1/N of the bytes each), and only the owner builds
+the optimizer's state for it (Adam's two moments) and updates it. The updated variables then travel from their
 owners to every other process. Per process, the optimizer's state is about 1/N of an
 unsharded one's; the result is the unsharded update's, since every owner applies it to
 the gradients reduced over all processes.
@@ -15,16 +15,21 @@ owned ones with Keras's own `apply`, and hands the variables to `broadcast_from_
 Clipping by global norm is done over every gradient first, so Keras's own, over the owned
 ones, changes nothing more.
 
-Saves write the unsharded optimizer's state, in its order, so a plain process loads them:
-the model's `save` and `save_weights`, called on every process as a script calls them,
-first gather every process's share to the chief (`gathering_saves`), whose optimizer then
-writes them whole; the unsharded order is that of the same optimizer class built on
-placeholder variables of no size. Loading takes each process's share from a whole file.
+Saves write the unsharded optimizer's state, in its order, so a plain process loads them;
+the unsharded order is that of the same optimizer class built on placeholder variables of
+no size. A save gathers every process's share, so every process takes part: the script's
+`save` and `save_weights`, called on every process, gather first (`gathering_saves`), and
+the chief alone writes; fit's checkpoints and backups run on the chief while every other
+process runs a stand-in saving into scratch (`Replicas.collective_save_stand_in`), each
+gathering inside the optimizer's `save_own_variables`. Loading takes each process's share
+from a whole file; a backup the chief alone restores at fit's start reaches the others'
+shares through `share_loaded_state`.
 
 On JAX the state is sharded by layout instead (`shard_state_by_layout`): each slot the
 optimizer makes is one array over the job's mesh, split along an axis of the variable
 (Keras's `TensorLayout`, as `ModelParallel`'s layouts are), and XLA's step updates each
-process's part and gathers the updated variables. Saves gather each slot whole the same way.
+process's part and gathers the updated variables. Under `shard="weights"` the JAX strategy
+splits the model's trainable weights the same way while fit runs.
 """
 
 from collections.abc import Callable, Sequence

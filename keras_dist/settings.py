@@ -59,6 +59,9 @@ VARIABLES = (
              "debug: every process logs, and `keras-dist launch` keeps the framework start-up lines it drops"),
     Variable("KERAS_DIST_TPU", "setting", "TPU name or address", "TPU_NAME, else the TPU VM's own",
              "the TPU the `tpu` backend connects to; `keras_dist.init(tpu=...)` wins over it"),
+    Variable("KERAS_DIST_SHARD", "setting", "optimizer or weights", "none (every process holds the whole state)",
+             "shard the optimizer's state (and on JAX the weights) of every model `keras_dist.compile` compiles "
+             "without `shard=`: docs/sharding.md"),
     Variable("KERAS_DIST_MIN_SHARD_BYTES", "setting", "bytes", "none (no sharding)",
              "parameter servers: split variables of at least this many bytes across the ps tasks"),
     Variable("KERAS_DIST_BIND_ALL", "setting", "0 or 1", "0",
@@ -150,6 +153,12 @@ def _text(name: str, text: str) -> str:
     return text
 
 
+def _shard_level(name: str, text: str) -> str:
+    if text not in ("optimizer", "weights"):
+        raise KerasDistError(f"{name}={text!r} must be optimizer or weights; fix it or unset it")
+    return text
+
+
 def _debug(name: str, text: str) -> bool:
     return text.lower() == "debug"
 
@@ -169,6 +178,7 @@ class Settings:
     debug_log: bool = False
     tpu: str | None = None
     min_shard_bytes: int | None = None
+    shard: str | None = None
     bind_all: bool = False
     # Never in a repr: a settings object may be logged, and the secret must not show.
     job_secret: str | None = dataclasses.field(default=None, repr=False)
@@ -225,6 +235,7 @@ _READERS = {
     "debug_log": ("KERAS_DIST_LOG", _debug),
     "tpu": ("KERAS_DIST_TPU", _text),
     "min_shard_bytes": ("KERAS_DIST_MIN_SHARD_BYTES", _number(int, 1)),
+    "shard": ("KERAS_DIST_SHARD", _shard_level),
     "bind_all": ("KERAS_DIST_BIND_ALL", _flag),
     "job_secret": ("KERAS_DIST_JOB_SECRET", _text),
     "job_secret_file": ("KERAS_DIST_JOB_SECRET_FILE", _text),

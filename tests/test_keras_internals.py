@@ -524,6 +524,21 @@ def test_drop_jax_layout():
         assert keras_internals.jax_sharding(variable) is None
 
 
+def test_set_jax_layout():
+    only_under("jax")
+    import jax
+
+    with canary("keras.src.backend.jax.core.Variable._layout",
+                "keras_dist.strategies.jax_data_parallel splits weights over the mesh by their layout"):
+        distribution = data_parallel()
+        variable = keras.Variable(np.ones((2, 3), "float32"))
+        layout = keras.distribution.TensorLayout([None, None], distribution.device_mesh)
+        keras_internals.set_jax_layout(variable, layout)
+        with distribution.scope():
+            sharding = keras_internals.jax_sharding(variable)  # the layout given, not asked again
+        assert isinstance(sharding, jax.sharding.NamedSharding) and sharding == layout.backend_layout
+
+
 # --- layers and epoch iterators ----------------------------------------------------------------
 
 

@@ -86,14 +86,16 @@ def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(
         np.testing.assert_allclose(resumed[name], expected[name], atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("keras_backend, cap_mib", [
+@pytest.mark.parametrize("keras_backend, cap_mib, shard_argument, shard_setting", [
     # The data memory each process reached (bisected by hand, 2 cores, 2 processes):
     # PyTorch sharded 1.9-2.0 GiB, unsharded 2.5-2.9 GiB; JAX sharded below 2.6 GiB,
     # unsharded above 3.7 GiB.
-    ("torch", 2200),
-    ("jax", 2900),
+    # Sharded by the setting, with the script unchanged.
+    ("torch", 2200, [], {"KERAS_DIST_SHARD": "optimizer"}),
+    ("jax", 2900, ["--shard", "optimizer"], {}),
 ])
-def test_a_model_that_does_not_fit_under_a_memory_cap_trains_sharded(tmp_path, keras_backend, cap_mib):
+def test_a_model_that_does_not_fit_under_a_memory_cap_trains_sharded(tmp_path, keras_backend, cap_mib, shard_argument,
+                                                                      shard_setting):
     """67M weights with Adam: unsharded, every process ends in one line naming shard='optimizer'
     (not a kill by the kernel with no output); sharded, the same job trains under the same cap."""
     pytest.importorskip(keras_backend)
@@ -101,7 +103,7 @@ def test_a_model_that_does_not_fit_under_a_memory_cap_trains_sharded(tmp_path, k
     code, output = run(job, 300, {"KERAS_BACKEND": keras_backend})
     assert code != 0 and "ran out of memory in fit" in output and "shard='optimizer'" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    code, output = run([*job, "--shard", "optimizer"], 300, {"KERAS_BACKEND": keras_backend})
+    code, output = run([*job, *shard_argument], 300, {"KERAS_BACKEND": keras_backend, **shard_setting})
     assert code == 0 and output.count("trained 67166218") == 2, output[-3000:]
 
 
