@@ -107,6 +107,20 @@ def test_a_model_that_does_not_fit_under_a_memory_cap_trains_sharded(tmp_path, k
     assert code == 0 and output.count("trained 67166218") == 2, output[-3000:]
 
 
+@pytest.mark.parametrize("keras_backend, level", [("torch", "optimizer"), ("jax", "weights")])
+def test_gradient_accumulation_and_bfloat16_train_sharded_as_unsharded(tmp_path, keras_backend, level):
+    pytest.importorskip(keras_backend)
+    found = {}
+    for shard in ("none", level):
+        code, output = run([BIN / "keras-dist", "launch", "-n", 2, WORKERS / "accumulate_bf16.py",
+                            tmp_path / f"{shard}.json", shard], 300, {"KERAS_BACKEND": keras_backend})
+        assert code == 0, output[-3000:]
+        found[shard] = json.loads((tmp_path / f"{shard}.json").read_text())
+    np.testing.assert_allclose(found[level]["loss"], found["none"]["loss"], rtol=1e-6)
+    for sharded, unsharded in zip(found[level]["weights"], found["none"]["weights"]):
+        np.testing.assert_allclose(sharded, unsharded, atol=1e-6)
+
+
 # Loads two saved models in one plain process; both must hold the same weights and optimizer state.
 LOAD_BOTH = """
 import sys, keras, numpy as np
@@ -122,13 +136,15 @@ print("same state", len(pairs))
 @pytest.mark.parametrize("keras_backend, case, arguments, error, processes", [
     ("torch", "chief_alone_saves", ["--adam", "--save", "chief"],
      "model.save gathers every process's share of the optimizer's state, but rank 1 on ", 1),
+    ("torch", "weights", ["--shard", "weights"], "backend 'torch' cannot shard the weights yet", 2),
     # JAX's gather would wait for rank 1 forever: it ended cleanly.
     ("jax", "chief_alone_saves", ["--adam", "--save", "chief"],
      "model.save gathers every process's share of the optimizer's state, but rank 1 on ", 1),
 ])
 def test_what_sharded_state_cannot_do_is_one_line(tmp_path, keras_backend, case, arguments, error, processes):
     pytest.importorskip(keras_backend)
-    code, output = train(tmp_path / case, "launch_2", keras_backend, "--shard", "optimizer", *arguments)
+    shard = [] if "--shard" in arguments else ["--shard", "optimizer"]
+    code, output = train(tmp_path / case, "launch_2", keras_backend, *shard, *arguments)
     assert code != 0 and output.count(f"KerasDistError: {error}") == processes, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
 
