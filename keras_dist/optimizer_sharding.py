@@ -17,11 +17,13 @@ ones, changes nothing more.
 
 Saves write the unsharded optimizer's state, in its order, so a plain process loads them;
 the unsharded order is that of the same optimizer class built on placeholder variables of
-no size. A save gathers every process's share, so every process takes part: the script's
-`save` and `save_weights`, called on every process, gather first (`gathering_saves`), and
-the chief alone writes; fit's checkpoints and backups run on the chief while every other
-process runs a stand-in saving into scratch (`Replicas.collective_save_stand_in`), each
-gathering inside the optimizer's `save_own_variables`. Loading takes each process's share
+no size. A save gathers every process's share, a variable at a time as it is written (no
+process holds the whole state at once), so every process takes part: the script's `save`
+and `save_weights`, called on every process, are written by the chief alone while the
+others take part in each variable's gather (`gathering_saves`); fit's checkpoints and
+backups run on the chief while every other process runs a stand-in saving into scratch
+(`Replicas.collective_save_stand_in`), each gathering inside the optimizer's
+`save_own_variables`. Loading takes each process's share
 from a whole file; a backup the chief alone restores at fit's start reaches the others'
 shares through `share_loaded_state`.
 
@@ -32,7 +34,7 @@ process's part and gathers the updated variables. Under `shard="weights"` the JA
 splits the model's trainable weights the same way while fit runs.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -46,16 +48,16 @@ _STATE = "_keras_dist_sharded_state"
 
 class ShardedState:
     """What a sharded optimizer knows of the whole: the variables it was built for, which of
-    its own variables is which variable's slot, how every process's share is gathered (`gather`,
-    collective: the unsharded state in its order, on the chief at least), while a save
-    runs the whole state so gathered, and the whole state it last loaded (`share_loaded_state`)."""
+    its own variables is which variable's slot, how every process's shares are gathered
+    (`gather`: the unsharded state's values in its order, one at a time, on every process;
+    each a collective, so every process iterates it whole, in step), and the whole state it
+    last loaded (`share_loaded_state`)."""
 
-    def __init__(self, gather: Callable[[], list[np.ndarray] | None], level: str = "optimizer") -> None:
+    def __init__(self, gather: Callable[[], Iterator[np.ndarray]], level: str = "optimizer") -> None:
         self.level = level  # "weights": the model's weights are split too (JAX, during fit)
         self.variables: list | None = None
         self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
         self.gather = gather
-        self.whole: list[np.ndarray] | None = None
         self.loaded: list[np.ndarray] | None = None
 
 
@@ -97,17 +99,20 @@ def _whole_layout(optimizer: keras.optimizers.Optimizer, state: ShardedState) ->
     return _layout(shadow.variables, slots)
 
 
-def gather_whole_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> list[np.ndarray] | None:
-    """On the chief, the unsharded optimizer's state in its order, from every process's share
-    (collective: every process calls it); None elsewhere."""
+def gather_whole_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> Iterator[np.ndarray]:
+    """The unsharded optimizer's state in its order, one variable at a time, each sent by the
+    process that owns it to every process (collective: every process iterates it whole).
+    One variable at a time: no process holds the whole state at once."""
     state = sharded_state(optimizer)
-    values = [keras.ops.convert_to_numpy(v.value) for v in optimizer.variables]
-    mine = dict(zip(_layout(optimizer.variables, state.slots), values))
-    shares = replicas.allgather_object({key: value for key, value in mine.items() if key[0] == "slot"})
-    if not replicas.is_chief:
-        return None
-    merged = {key: value for share in shares for key, value in share.items()}
-    return [merged[key] if key[0] == "slot" else mine[key] for key in _whole_layout(optimizer, state)]
+    mine = dict(zip(_layout(optimizer.variables, state.slots), optimizer.variables))
+    owner = owners(state.variables, replicas.size)
+    for key in _whole_layout(optimizer, state):
+        if key[0] == "own":  # the iteration count and learning rate, the same everywhere
+            yield keras.ops.convert_to_numpy(mine[key].value)
+            continue
+        source = owner[key[1]]
+        value = keras.ops.convert_to_numpy(mine[key].value) if replicas.rank == source else None
+        yield replicas.broadcast_object(value, source)
 
 
 def sharded_state(optimizer: keras.optimizers.Optimizer) -> ShardedState | None:
@@ -115,9 +120,11 @@ def sharded_state(optimizer: keras.optimizers.Optimizer) -> ShardedState | None:
     return vars(optimizer).get(_STATE)
 
 
-def gathering_saves(model: keras.Model) -> None:
-    """Makes `model.save` and `save_weights` (keras_dist's, once from the chief) gather a sharded
-    optimizer's state to the chief first: they are collective, on every process."""
+def gathering_saves(model: keras.Model, replicas: Any) -> None:
+    """Makes `model.save` and `save_weights` (keras_dist's, written once from the chief) take
+    part in gathering a sharded optimizer's state on every process: the chief's save gathers
+    as it writes, and every other process takes part in each variable's gather before it
+    waits for the chief's file."""
     for name in ("save", "save_weights"):
         def gathered(*args: Any, _save: Callable[..., Any] = getattr(model, name), method: str = name,
                      **kwargs: Any) -> Any:
@@ -126,16 +133,15 @@ def gathering_saves(model: keras.Model) -> None:
             if state is None or not optimizer.built:
                 return _save(*args, **kwargs)
             try:
-                state.whole = state.gather()
+                if not replicas.is_chief:
+                    for _ in state.gather():
+                        pass
+                return _save(*args, **kwargs)
             except PeerFailure as failure:
                 raise KerasDistError(f"model.{method} gathers every process's share of the optimizer's state, but "
                                      f"{', '.join(failure.stopped) or 'a peer'} did not take part: call it on every "
                                      "process (keras_dist writes the file once, from the chief), not on the chief "
                                      "alone") from None
-            try:
-                return _save(*args, **kwargs)
-            finally:
-                state.whole = None
 
         override(model, name, gathered)
 
@@ -151,14 +157,11 @@ def share_loaded_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> 
     state.loaded = None
 
 
-def _save_whole(state: ShardedState, store: Any, own_save: Callable[[Any], None]) -> None:
-    """Writes the unsharded state into `store`: the one `gathering_saves` gathered, or, in a save
-    every process makes at once (a checkpoint of fit's, the others' stand-ins), gathered now;
-    a process other than the chief writes its own share (into its stand-in's scratch file)."""
-    whole = state.whole if state.whole is not None else state.gather()
-    if whole is None:
-        return own_save(store)
-    for position, value in enumerate(whole):
+def _save_whole(state: ShardedState, store: Any) -> None:
+    """Writes the unsharded state into `store` as it is gathered, a variable at a time (every
+    process takes part: the chief's save, and the others' stand-ins into scratch, or their
+    part in `gathering_saves`)."""
+    for position, value in enumerate(state.gather()):
         store[str(position)] = value
 
 
@@ -247,7 +250,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
     def save_own_variables(store: Any) -> None:
         if state.variables is None:  # not built: nothing is sharded yet
             return keras_save(store)
-        _save_whole(state, store, keras_save)
+        _save_whole(state, store)
 
     def load_own_variables(store: Any) -> None:
         if state.variables is None:
@@ -287,7 +290,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
 
 
 def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Callable[[tuple], Any],
-                          whole_values: Callable[[list], list[np.ndarray]],
+                          whole_values: Callable[[list], Iterator[np.ndarray]],
                           place: Callable[[Any, np.ndarray], None], level: str = "optimizer") -> None:
     """Makes every slot `optimizer` builds one array split over the job's mesh (JAX).
 
@@ -295,8 +298,8 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Cal
         optimizer: a Keras 3 optimizer, not yet built.
         layout_for: from a slot's shape to its sharded `TensorLayout`, or None where no axis
             divides among the devices (the slot then keeps the layout Keras gives it).
-        whole_values: the variables' whole values (collective: every process calls it; raises
-            `PeerFailure` where one does not).
+        whole_values: the variables' whole values, one at a time (collective: every process
+            iterates it; raises `PeerFailure` where one does not).
         place: sets a variable to a whole value, each process keeping its part (no collective).
         level: "optimizer", or "weights" where the strategy splits the model's weights too.
     """
@@ -306,8 +309,6 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Cal
     keras_add, keras_save, keras_load = optimizer.add_variable, optimizer.save_own_variables, \
         optimizer.load_own_variables
 
-    # Every process ends up with the whole state (an all-gather): a stand-in's scratch save
-    # writes it too, since a process cannot read the parts it does not hold.
     state = ShardedState(lambda: whole_values(optimizer.variables), level)
 
     def add_variable(*args: Any, layout: Any = None, **kwargs: Any) -> Any:
@@ -317,7 +318,7 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Cal
     def save_own_variables(store: Any) -> None:
         if not optimizer.built:
             return keras_save(store)
-        _save_whole(state, store, keras_save)
+        _save_whole(state, store)
 
     def load_own_variables(store: Any) -> None:
         if not optimizer.built:

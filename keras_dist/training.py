@@ -303,7 +303,7 @@ def attach(model: keras.Model, strategy: "Strategy", gradient_options: "Gradient
     override(model, "_keras_dist", training)
     script_saves.install(model, strategy)
     if gradient_options.shard is not None:
-        optimizer_sharding.gathering_saves(model)
+        optimizer_sharding.gathering_saves(model, strategy)
     return training
 
 

@@ -397,13 +397,14 @@ class JaxDataParallelStrategy(Strategy):
     def replicated_weights(self, weights: Sequence[keras.Variable]) -> list:
         return [w for w in weights if id(w) not in self._split_weights]
 
-    def _whole_values(self, variables: Sequence[keras.Variable]) -> list[np.ndarray]:
-        """Each variable's whole value, on every process (collective: first every process
-        arrives, or the ones that did not are named)."""
+    def _whole_values(self, variables: Sequence[keras.Variable]) -> Iterator[np.ndarray]:
+        """Each variable's whole value in turn, on every process (collective: first every
+        process arrives, or the ones that did not are named)."""
         self._gathers += 1
         if _peer_watch is not None:
             _peer_watch.all_arrive(f"gather/{self._gathers}")
-        return [_whole_value(v) for v in variables]
+        for variable in variables:
+            yield _whole_value(variable)
 
     def _split_layout(self, shape: tuple) -> keras.distribution.TensorLayout | None:
         """A layout splitting an array of `shape` over every device, along its first axis that
