@@ -1,6 +1,6 @@
 """Replicas never diverge silently: after each epoch, every worker's weights are compared."""
 
-import zlib
+import hashlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,7 @@ class ReplicaCheck(keras.callbacks.Callback):
     keras_dist runs it first at each epoch end, before the user's callbacks save or log
     anything. Float non-trainable weights (BatchNormalization's moving statistics,
     updated from each worker's own batches) are first averaged over workers. Then a
-    CRC of every worker's trainable weights is compared: one small allgather per epoch.
+    digest of every worker's trainable weights is compared: one small allgather per epoch.
     A mismatch means some update was not reduced across workers.
 
     Args:
@@ -43,12 +43,13 @@ class ReplicaCheck(keras.callbacks.Callback):
             )
 
 
-def weights_digest(weights: Iterable[keras.Variable]) -> int:
-    """A CRC-32 of the weights' bytes, in order: equal only for bit-identical replicas."""
-    digest = 0
+def weights_digest(weights: Iterable[keras.Variable]) -> bytes:
+    """A BLAKE2 digest of the weights' bytes, in order: equal only for bit-identical replicas
+    (where equal, the chief's state is not sent again at fit's start)."""
+    digest = hashlib.blake2b(digest_size=16)
     for weight in weights:
-        digest = zlib.crc32(np.ascontiguousarray(keras.ops.convert_to_numpy(weight)).tobytes(), digest)
-    return digest
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(weight)).tobytes())
+    return digest.digest()
 
 
 def average_statistics(model: keras.Model, strategy: "Replicas") -> None:

@@ -1,6 +1,6 @@
 """An MLP trained with Adam in a process whose memory is capped: the script of a model that does not fit.
 
-    python memory_cap.py CAP_MIB [--shard optimizer] [--width W]
+    python memory_cap.py CAP_MIB [--shard optimizer|weights] [--width W]
 
 Caps this process's data memory at CAP_MIB MiB (`RLIMIT_DATA`: its heap and private
 writable mappings, where NumPy's, PyTorch's and XLA's CPU buffers live; unlike a cgroup's
@@ -16,7 +16,7 @@ import resource
 
 parser = argparse.ArgumentParser()
 parser.add_argument("cap_mib", type=int)
-parser.add_argument("--shard", choices=["optimizer"])
+parser.add_argument("--shard", choices=["optimizer", "weights"])
 parser.add_argument("--width", type=int, default=4096)
 args = parser.parse_args()
 # Set before the frameworks load: what they allocate at import counts, as on a device.
