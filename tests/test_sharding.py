@@ -145,7 +145,8 @@ def test_what_sharded_state_cannot_do_is_one_line(tmp_path, keras_backend, case,
     pytest.importorskip(keras_backend)
     shard = [] if "--shard" in arguments else ["--shard", "optimizer"]
     code, output = train(tmp_path / case, "launch_2", keras_backend, *shard, *arguments)
-    assert code != 0 and output.count(f"KerasDistError: {error}") == processes, output[-3000:]
+    # Every process that gets there says it (at compile, one may be stopped first, once another ended).
+    assert code != 0 and 1 <= output.count(f"KerasDistError: {error}") <= processes, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
 
 

@@ -97,8 +97,12 @@ class PreemptionNotice(keras.callbacks.Callback):
         self._steps, self._next_check, self._interval = 0, 1, 1
         self._last_check, self._last_backup = (0, time.monotonic()), time.monotonic()
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._note) for sig in NOTICE_SIGNALS}
+            # Noted before the handlers are set: Keras forks a PyDataset's pool from a thread of
+            # its own, and a child forked in between must find what to put back (issue 44).
+            self._previous = {sig: signal.getsignal(sig) for sig in NOTICE_SIGNALS}
             _REPLACED.update(self._previous)
+            for sig in NOTICE_SIGNALS:
+                signal.signal(sig, self._note)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._restore_handlers()
