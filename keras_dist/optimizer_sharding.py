@@ -53,8 +53,9 @@ class ShardedState:
     each a collective, so every process iterates it whole, in step), and the whole state it
     last loaded (`share_loaded_state`)."""
 
-    def __init__(self, gather: Callable[[], Iterator[np.ndarray]], level: str = "optimizer") -> None:
+    def __init__(self, gather: Callable[[], Iterator[np.ndarray]], chief: bool, level: str = "optimizer") -> None:
         self.level = level  # "weights": the model's weights are split too (JAX, during fit)
+        self.chief = chief  # only the chief's loads are shared (`share_loaded_state`): only it notes them
         self.variables: list | None = None
         self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
         self.gather = gather
@@ -166,7 +167,8 @@ def _save_whole(state: ShardedState, store: Any) -> None:
 
 
 def _note_loaded(state: ShardedState, store: Any) -> None:
-    state.loaded = [np.asarray(store[str(position)]) for position in range(len(store.keys()))]
+    if state.chief:
+        state.loaded = [np.asarray(store[str(position)]) for position in range(len(store.keys()))]
 
 
 def check_level(shard: str, strategy: Any) -> None:
@@ -230,7 +232,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
     keras_build, keras_apply = optimizer.build, optimizer.apply
     keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
     rank, size = replicas.rank, replicas.size
-    state = ShardedState(lambda: gather_whole_state(optimizer, replicas))
+    state = ShardedState(lambda: gather_whole_state(optimizer, replicas), replicas.is_chief)
     placement: dict[tuple, list[int]] = {}
 
     def placed(variables: list) -> list[int]:
@@ -289,13 +291,14 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
     override(optimizer, _STATE, state)
 
 
-def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Callable[[tuple], Any],
+def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, layout_for: Callable[[tuple], Any],
                           whole_values: Callable[[list], Iterator[np.ndarray]],
                           place: Callable[[Any, np.ndarray], None], level: str = "optimizer") -> None:
     """Makes every slot `optimizer` builds one array split over the job's mesh (JAX).
 
     Args:
         optimizer: a Keras 3 optimizer, not yet built.
+        chief: this process is the job's chief.
         layout_for: from a slot's shape to its sharded `TensorLayout`, or None where no axis
             divides among the devices (the slot then keeps the layout Keras gives it).
         whole_values: the variables' whole values, one at a time (collective: every process
@@ -309,7 +312,7 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, layout_for: Cal
     keras_add, keras_save, keras_load = optimizer.add_variable, optimizer.save_own_variables, \
         optimizer.load_own_variables
 
-    state = ShardedState(lambda: whole_values(optimizer.variables), level)
+    state = ShardedState(lambda: whole_values(optimizer.variables), chief, level)
 
     def add_variable(*args: Any, layout: Any = None, **kwargs: Any) -> Any:
         shape = kwargs.get("shape", args[0] if args else ())

@@ -52,8 +52,9 @@ def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
             optimizer.build(model.trainable_variables)
     # Optimizers a custom `compile` holds build on their first update, from zeros on every
     # process; a sharded optimizer's state is each process's own share.
-    built = [o for o in optimizer_hooks.optimizers_of(model) if o.built and not optimizer_sharding.is_sharded(o)]
-    optimizer_variables = [v for o in built for v in o.variables]
+    built = [o for o in optimizer_hooks.optimizers_of(model) if o.built]
+    sharded = [o for o in built if optimizer_sharding.is_sharded(o)]
+    optimizer_variables = [v for o in built if o not in sharded for v in o.variables]
     variables = list(model.weights) + optimizer_variables
     check_same_variables(variables, strategy)
     digests = strategy.allgather_object((weights_digest(model.weights), weights_digest(optimizer_variables)))
@@ -65,8 +66,8 @@ def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
     # sent: a broadcast of the whole model and optimizer state doubled a JAX process's peak memory.
     if any(digest != digests[0] for digest in digests):
         strategy.broadcast_variables(variables)
-    for sharded in (o for o in optimizer_hooks.optimizers_of(model) if o.built and optimizer_sharding.is_sharded(o)):
-        optimizer_sharding.share_loaded_state(sharded, strategy)
+    for optimizer in sharded:
+        optimizer_sharding.share_loaded_state(optimizer, strategy)
     strategy.after_initial_sync(model)
 
 

@@ -377,8 +377,8 @@ class JaxDataParallelStrategy(Strategy):
         if options.shard is not None:
             # Each slot is split over the mesh; XLA's step then updates each device's part and
             # gathers the updated variables. The slots stay split outside fit (`_localize`).
-            optimizer_sharding.shard_state_by_layout(optimizer, self._split_layout, self._whole_values, _place,
-                                                     options.shard)
+            optimizer_sharding.shard_state_by_layout(optimizer, self.is_chief, self._split_layout, self._whole_values,
+                                                     _place, options.shard)
 
     def after_initial_sync(self, model: keras.Model) -> None:
         """Under shard="weights", splits the model's trainable weights over the mesh, once every
