@@ -40,6 +40,8 @@ Models (`--models`):
   jpeg_cnn            tf.data, compute-bound: the same pipeline feeding the CNN
   input_only          no model: CPU-seconds per epoch of the jpeg pipeline on one worker
   jax_mlp, torch_mlp  the MLP on Keras's JAX or PyTorch backend (bench/backend_worker.py)
+  tensorflow_mlp      the same MLP on Keras's TensorFlow backend under horovodrun -np 2:
+                      keras_dist_adam_2 and keras_dist_shard_2 only
 
 The scripts build the tf.data pipeline unsharded; keras_dist does the sharding. Only the
 hand-written Horovod loop shards itself: rank r reads files[r::size].
@@ -216,7 +218,8 @@ def run_together(commands, env, timeout):
 
 SHARDED = {"KERAS_DIST_MIN_SHARD_BYTES": str(1 << 20)}
 KINDS = {"cnn": "dense", "mlp": "dense", "emb": "emb", "jpeg_small": "tfdata", "jpeg_cnn": "tfdata",
-         "input_only": "input", "jax_mlp": "jax", "torch_mlp": "torch"}
+         "input_only": "input", "jax_mlp": "jax", "torch_mlp": "torch",
+         "tensorflow_mlp": "tensorflow"}
 CONFIGS = {
     "dense": [
         Config("plain_1", "plain"), Config("keras_dist_1", "keras_dist"),
@@ -257,9 +260,12 @@ CONFIGS["torch"] += [Config(name, mode, 2, "horovod", env={"KERAS_BACKEND": "tor
 SHARD_LEVELS = {"torch": (("keras_dist_adam_2", {}), ("keras_dist_shard_2", {"BENCH_SHARD": "optimizer"})),
                 "jax": (("keras_dist_adam_2", {}), ("keras_dist_shard_2", {"BENCH_SHARD": "optimizer"}),
                         ("keras_dist_shard_weights_2", {"BENCH_SHARD": "weights"}))}
+SHARD_LEVELS["tensorflow"] = SHARD_LEVELS["torch"]
+CONFIGS["tensorflow"] = []
 for backend, levels in SHARD_LEVELS.items():
-    CONFIGS[backend] += [Config(name, "keras_dist", 2, backend, env={"KERAS_BACKEND": backend, "BENCH_OPTIMIZER": "adam",
-                                                                   **shard}, worker="backend_worker.py")
+    CONFIGS[backend] += [Config(name, "keras_dist", 2, "horovod" if backend == "tensorflow" else backend,
+                                env={"KERAS_BACKEND": backend, "BENCH_OPTIMIZER": "adam", **shard},
+                                worker="backend_worker.py")
                          for name, shard in levels]
 SPS, CPU, EPOCH_CPU = "samples_per_s", "cpu_s_per_sample", "cpu_s_per_epoch_worker"
 # model kind -> ratios: (name, numerator, denominator, figure, target from issue 10 or None)
@@ -302,13 +308,17 @@ RATIOS = {
         ("cpu_keras_dist_2_vs_keras_native_2", "keras_dist_2", "keras_native_2", CPU, None),
     ] for backend in ("jax", "torch")},
 }
+SHARD_RATIOS = [
+    ("keras_dist_shard_2_vs_keras_dist_adam_2", "keras_dist_shard_2", "keras_dist_adam_2", SPS, None),
+    ("cpu_keras_dist_shard_2_vs_keras_dist_adam_2", "keras_dist_shard_2", "keras_dist_adam_2", CPU, None),
+]
 RATIOS["torch"] += [
     ("keras_dist_hvd_2_vs_handwritten_hvd_2", "keras_dist_hvd_2", "handwritten_hvd_2", SPS, None),
     ("cpu_keras_dist_hvd_2_vs_handwritten_hvd_2", "keras_dist_hvd_2", "handwritten_hvd_2", CPU, None),
     ("keras_dist_hvd_2_vs_keras_dist_2", "keras_dist_hvd_2", "keras_dist_2", SPS, None),
-    ("keras_dist_shard_2_vs_keras_dist_adam_2", "keras_dist_shard_2", "keras_dist_adam_2", SPS, None),
-    ("cpu_keras_dist_shard_2_vs_keras_dist_adam_2", "keras_dist_shard_2", "keras_dist_adam_2", CPU, None),
+    *SHARD_RATIOS,
 ]
+RATIOS["tensorflow"] = SHARD_RATIOS
 
 
 def median(values):

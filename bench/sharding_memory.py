@@ -1,9 +1,9 @@
 """Per-process memory of Adam's state, unsharded and sharded (`shard=`), measured.
 
-    .venv/bin/python bench/sharding_memory.py [--backend torch|jax] [--processes 2] [--width 4096] [--rounds 2]
+    .venv/bin/python bench/sharding_memory.py [--backend torch|jax|tensorflow] [--processes 2] [--width 4096] [--rounds 2]
     .venv/bin/python bench/sharding_memory.py --backend jax --cap-mib 2200
 
-Each round runs, alternated, `keras-dist launch -n N` on Keras's PyTorch (or JAX) backend
+Each round runs, alternated, `keras-dist launch -n N` on Keras's PyTorch (or JAX, or TensorFlow under Horovod) backend
 of an MLP (3 Dense layers of --width units and one of 10: about 50M weights at 4096) trained 6 steps
 with Adam, once unsharded and once per level of sharding the backend has ("optimizer";
 JAX: "weights" too). Every process reports the bytes of its optimizer's variables that
@@ -96,7 +96,7 @@ def widest_under_cap(backend: str, processes: int, shard: str | None, cap_mib: i
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--backend", choices=["torch", "jax"], default="torch")
+    parser.add_argument("--backend", choices=["torch", "jax", "tensorflow"], default="torch")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=2)

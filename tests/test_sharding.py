@@ -27,6 +27,7 @@ def results(out, processes):
 @pytest.mark.parametrize("keras_backend, configuration, levels, state_overhead", [
     # Each rank's own iteration count and learning rate (8 bytes) beyond the whole state's.
     ("torch", "torchrun_2", ["optimizer"], 8),
+    ("tensorflow", "horovod_2", ["optimizer"], 8),
     # ...and on JAX, the moments of the last bias (1 weight), which no axis splits over 2 devices.
     ("jax", "launch_2", ["optimizer", "weights"], 16),
 ])
@@ -47,7 +48,7 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
         sharded = results(tmp_path / level, 2)
         for result in sharded:
             assert_trains_like(result, reference)
-        # Adam's moments split over the two ranks: PyTorch's by whole variables (by bytes: the
+        # Adam's moments split over the two ranks: PyTorch's and Horovod's by whole variables (by bytes: the
         # first kernel's 20 weights on rank 0, the other 9 on rank 1), JAX's each along an axis.
         whole = unsharded[0]["optimizer_state_bytes"]
         shares = [r["optimizer_state_bytes"] for r in sharded]
@@ -61,7 +62,8 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
         assert code == 0 and "same state" in output, output[-3000:]
 
 
-@pytest.mark.parametrize("keras_backend, level", [("torch", "optimizer"), ("jax", "weights")])
+@pytest.mark.parametrize("keras_backend, level", [("torch", "optimizer"), ("tensorflow", "optimizer"),
+                                                  ("jax", "weights")])
 def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(tmp_path, keras_backend, level):
     """`BackupAndRestore` every 5 steps and a `ModelCheckpoint` of the best epoch, loaded on every
     rank after fit: the chief writes the whole state, the other rank's stand-in gathers its
@@ -107,7 +109,8 @@ def test_a_model_that_does_not_fit_under_a_memory_cap_trains_sharded(tmp_path, k
     assert code == 0 and output.count("trained 67166218") == 2, output[-3000:]
 
 
-@pytest.mark.parametrize("keras_backend, level", [("torch", "optimizer"), ("jax", "weights")])
+@pytest.mark.parametrize("keras_backend, level", [("torch", "optimizer"), ("tensorflow", "optimizer"),
+                                                  ("jax", "weights")])
 def test_gradient_accumulation_and_bfloat16_train_sharded_as_unsharded(tmp_path, keras_backend, level):
     pytest.importorskip(keras_backend)
     found = {}
@@ -137,6 +140,7 @@ print("same state", len(pairs))
     ("torch", "chief_alone_saves", ["--adam", "--save", "chief"],
      "model.save gathers every process's share of the optimizer's state, but rank 1 on ", 1),
     ("torch", "weights", ["--shard", "weights"], "backend 'torch' cannot shard the weights yet", 2),
+    ("tensorflow", "weights", ["--shard", "weights"], "backend 'horovod' cannot shard the weights yet", 2),
     # JAX's gather would wait for rank 1 forever: it ended cleanly.
     ("jax", "chief_alone_saves", ["--adam", "--save", "chief"],
      "model.save gathers every process's share of the optimizer's state, but rank 1 on ", 1),
@@ -151,6 +155,7 @@ def test_what_sharded_state_cannot_do_is_one_line(tmp_path, keras_backend, case,
 
 
 def test_a_backend_that_cannot_shard_says_so_in_one_line(tmp_path):
-    code, output = train(tmp_path / "tensorflow", "launch_2", "tensorflow", "--shard", "optimizer")
-    assert code != 0 and "backend 'horovod' cannot shard the optimizer's state yet" in output, output[-3000:]
+    code, output = train(tmp_path / "tensorflow", "mwms_2", "tensorflow", "--shard", "optimizer")
+    assert code != 0 and "backend 'multi_worker_mirrored' cannot shard the optimizer's state" in output, \
+        output[-3000:]
     assert "Traceback" not in output, output[-3000:]

@@ -66,6 +66,10 @@ class HorovodTensorFlow(_Horovod, Collectives):
         wire = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
         return hvd.grouped_allreduce(list(tensors), op=hvd.Average if mean else hvd.Sum, compression=wire)
 
+    def broadcast_in_step(self, tensor: Any, root: int, name: str) -> Any:
+        """`tensor` as process `root` holds it, on every process (`name`: the same on every process)."""
+        return self._hvd.broadcast(tensor, root_rank=root, name=name)
+
     def all_in_step(self, flag: Any) -> Any:
         """Whether `flag` (a boolean tensor) holds on every process."""
         import tensorflow as tf

@@ -5,12 +5,15 @@ Only Horovod's framework-level collectives are used (`grouped_allreduce`, `broad
 """
 
 
+import itertools
 import logging
 import math
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from keras_dist import errors, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
@@ -62,6 +65,7 @@ class HorovodStrategy(Strategy):
     name = "horovod"
     shares_random_seed = True
     reduces_in_keras_dist = True
+    shards_optimizer_state = True
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -91,6 +95,7 @@ class HorovodStrategy(Strategy):
         self._hvd = _import_horovod()
         self._hvd.init()
         self.collectives = HorovodTensorFlow(self._hvd)
+        self._optimizer_numbers = itertools.count()
         self._pin_gpu()
         if self._names_stopped_peers:
             try:
@@ -172,7 +177,7 @@ class HorovodStrategy(Strategy):
         return self._hvd.local_rank()
 
     def distribute_optimizer(self, optimizer: "keras.optimizers.Optimizer", options: GradientOptions) -> None:
-        from keras_dist import optimizer_hooks
+        from keras_dist import optimizer_hooks, optimizer_sharding
 
         collectives = self.collectives
         if options.compression == "bf16":
@@ -196,7 +201,42 @@ class HorovodStrategy(Strategy):
                                                       compression=options.compression)
             return reduced[::-1]
 
+        if options.shard == "optimizer" and self.size > 1:
+            import tensorflow as tf
+
+            name = f"keras_dist.optimizer{next(self._optimizer_numbers)}"
+            reductions_read = tf.Variable(0.0, trainable=False, name=f"{name}.reductions_read")
+
+            def reduce_every_gradient(grads):
+                reduced = allreduce_gradients(grads)
+                # Horovod's operations are stateless, and each process updates only the
+                # variables it owns: TensorFlow's optimizer would drop the reductions of the
+                # others' gradients, and the others would wait for them forever. A variable
+                # written from a value of each keeps them all.
+                reductions_read.assign(tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(g, [-1])[:1], tf.float32))
+                                                 for g in reduced]))
+                return reduced
+
+            optimizer_sharding.shard_state(optimizer, self, reduce_every_gradient,
+                                           lambda variables, owners: self._broadcast_from_owners(variables, owners, name))
+            return
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, collectives.all_in_step)
+
+    def _broadcast_from_owners(self, variables: list, owners: list[int], name: str) -> None:
+        """Each variable's value from its owner (in the train step's graph): one broadcast per
+        owner and dtype, of the owned variables flattened into one tensor. Named, as
+        Horovod matches operations across processes by name: the names TensorFlow makes up
+        differ, since each process's update ran Keras's for other variables first."""
+        import tensorflow as tf
+
+        for root in range(self.size):
+            owned = [v for v, owner in zip(variables, owners) if owner == root]
+            for dtype in sorted({v.dtype for v in owned}):
+                group = [v for v in owned if v.dtype == dtype]
+                wire = self.collectives.broadcast_in_step(tf.concat([tf.reshape(v.value, [-1]) for v in group], 0),
+                                                          root, f"{name}.owned_by_{root}.{dtype}")
+                for variable, part in zip(group, tf.split(wire, [int(np.prod(v.shape)) for v in group])):
+                    variable.assign(tf.reshape(part, variable.shape))
 
     def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list[Any]:
         return self.collectives.reduce_in_step(list(tensors))
