@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from runner import BIN, QUIET_ENV, WORKERS, run
+from runner import BIN, QUIET_ENV, WORKERS, rotated, run
 from keras_dist.launchers.processes import free_ports, kill_process_groups
 
 pytestmark = pytest.mark.timeout(300)
@@ -279,9 +279,7 @@ BACKENDS = ["torch", "horovod", "jax"]
 def backends_for(ci_backend):
     """The backends a disk row runs on: CI, one (the rows share the chief's code and rotate
     backends); `KERAS_DIST_DISK_MATRIX=1`, all three."""
-    every = os.environ.get("KERAS_DIST_DISK_MATRIX") == "1"
-    return [pytest.param(b, marks=() if every or b == ci_backend else
-                         pytest.mark.skip(reason="KERAS_DIST_DISK_MATRIX=1 runs it")) for b in BACKENDS]
+    return rotated(BACKENDS, ci_backend, "KERAS_DIST_DISK_MATRIX")
 
 
 def disk_job(backend, backup_dir, *args):

@@ -3,14 +3,19 @@ processes keeps Adam's moments for about 1/N of the variables, and the job train
 unsharded one, and as one process at the global batch."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 
-from runner import BIN, PYTHON, WORKERS, assert_trains_like, configuration_command, run
+from runner import BIN, PYTHON, WORKERS, assert_trains_like, configuration_command, rotated, run
 
 pytestmark = pytest.mark.timeout(600)
 WORKER = WORKERS / "any_backend_worker.py"
+# The kill, accumulation and memory rows share the sharded optimizer's code across backends:
+# a whole-suite run runs one backend each (a different one per row); this variable, all.
+MATRIX = "KERAS_DIST_SHARDING_MATRIX"
+LEVELS = [("torch", "optimizer"), ("tensorflow", "optimizer"), ("jax", "weights")]
 
 
 def train(out, configuration, keras_backend, *arguments):
@@ -62,8 +67,7 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
         assert code == 0 and "same state" in output, output[-3000:]
 
 
-@pytest.mark.parametrize("keras_backend, level", [("torch", "optimizer"), ("tensorflow", "optimizer"),
-                                                  ("jax", "weights")])
+@pytest.mark.parametrize("keras_backend, level", rotated(LEVELS, ("jax", "weights"), MATRIX))
 def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(tmp_path, keras_backend, level):
     """`BackupAndRestore` every 5 steps and a `ModelCheckpoint` of the best epoch, loaded on every
     rank after fit: the chief writes the whole state, the other rank's stand-in gathers its
@@ -88,14 +92,41 @@ def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(
         np.testing.assert_allclose(resumed[name], expected[name], atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("keras_backend, cap_mib, shard_argument, shard_setting", [
-    # The data memory each process reached, in MiB (bisected by hand, 2 cores, 2 processes):
-    # PyTorch sharded 1900-2000, unsharded 2600-2900; JAX shard="weights" 1600-1700,
-    # "optimizer" 1700-1850, unsharded 1850-2100.
-    # Sharded by the setting, with the script unchanged.
-    ("torch", 2200, [], {"KERAS_DIST_SHARD": "optimizer"}),
+def test_a_sharded_backup_resumes_on_another_process_count_as_an_unsharded_job_does(tmp_path):
+    """2 processes with shard="optimizer" killed after global step 14 (the backup after step
+    10); the same backup then resumed on 3 processes, sharded and unsharded, ends the same:
+    each of the 3 takes its share of the whole state the 2 wrote. The rest of the epoch, 16
+    samples over 3 processes, ends on a step where a backup is due: written at the epoch's
+    end, by every process (a worker's stand-in once waited there for the chief's copy of
+    its own scratch file)."""
+    resume = WORKERS / "resume.py"
+    first = tmp_path / "first"
+    first.mkdir()
+    arguments = ["arrays", "--kill-at", 14]
+    code, output = run([BIN / "keras-dist", "launch", "-n", 2, resume, first, *arguments, "--shard", "optimizer"], 300,
+                       {"KERAS_BACKEND": "torch"})
+    assert code != 0 and (first / "killed").exists(), output[-3000:]
+    for name, shard in (("sharded", ["--shard", "optimizer"]), ("unsharded", [])):
+        shutil.copytree(first, tmp_path / name)
+        code, output = run([BIN / "keras-dist", "launch", "-n", 3, resume, tmp_path / name, *arguments, *shard], 300,
+                           {"KERAS_BACKEND": "torch"})
+        assert code == 0 and "the backup was written by 2 processes, this run has 3" in output, output[-3000:]
+    expected, resumed = np.load(tmp_path / "unsharded" / "result.npz"), np.load(tmp_path / "sharded" / "result.npz")
+    assert sorted(expected.files) == sorted(resumed.files)
+    for name in expected.files:
+        np.testing.assert_allclose(resumed[name], expected[name], atol=1e-6, rtol=1e-6, err_msg=name)
+
+
+# The data memory each process reached, in MiB (bisected by hand, 2 cores, 2 processes):
+# PyTorch sharded 1900-2000, unsharded 2600-2900; JAX shard="weights" 1600-1700,
+# "optimizer" 1700-1850, unsharded 1850-2100.
+CAPPED = [
+    ("torch", 2200, [], {"KERAS_DIST_SHARD": "optimizer"}),  # sharded by the setting, the script unchanged
     ("jax", 1780, ["--shard", "weights"], {}),
-])
+]
+
+
+@pytest.mark.parametrize("keras_backend, cap_mib, shard_argument, shard_setting", rotated(CAPPED, CAPPED[0], MATRIX))
 def test_a_model_that_does_not_fit_under_a_memory_cap_trains_sharded(tmp_path, keras_backend, cap_mib, shard_argument,
                                                                       shard_setting):
     """67M weights with Adam: unsharded, every process ends in one line naming shard='optimizer'
@@ -109,8 +140,7 @@ def test_a_model_that_does_not_fit_under_a_memory_cap_trains_sharded(tmp_path, k
     assert code == 0 and output.count("trained 67166218") == 2, output[-3000:]
 
 
-@pytest.mark.parametrize("keras_backend, level", [("torch", "optimizer"), ("tensorflow", "optimizer"),
-                                                  ("jax", "weights")])
+@pytest.mark.parametrize("keras_backend, level", rotated(LEVELS, ("tensorflow", "optimizer"), MATRIX))
 def test_gradient_accumulation_and_bfloat16_train_sharded_as_unsharded(tmp_path, keras_backend, level):
     pytest.importorskip(keras_backend)
     found = {}

@@ -260,7 +260,13 @@ class ResumePoint(keras.callbacks.Callback):
             self._save_at_epoch_end = False
             keras_internals.set_backup_position(self.backup, epoch + 1, 0)
             if self.runs_backup:
-                keras_internals.save_backup(self.backup)
+                from keras_dist.fault_tolerance import atomic_writes  # which imports this module
+
+                # Outside the backup's own hooks, where a worker's stand-in saves with Keras's
+                # methods: a worker's save through keras_dist's would wait for the chief's
+                # copy of its scratch file.
+                with atomic_writes.keras_own_saves(self.model):
+                    keras_internals.save_backup(self.backup)
 
     def due(self, batch: int) -> bool:
         """Whether the backup saves after step `batch` of the epoch under way.

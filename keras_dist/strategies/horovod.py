@@ -13,9 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from keras_dist import errors, timeouts
+from keras_dist import errors, keras_internals, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
@@ -30,6 +28,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("keras_dist")
 # Horovod's Gloo timeout in seconds, for every collective and its start.
 GLOO_TIMEOUT_VARIABLE = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+# Bytes of updated variables per broadcast from their owner under shard="optimizer": runs
+# sent one after another bound what the broadcasts add to memory; runs rather than single
+# variables keep the step's cost (bench/results/2026-11-27-cpu-2core-sharding-tensorflow.md).
+BROADCAST_BUCKET_BYTES = 4 << 20
 # How a collective's error reads when a peer stopped: Horovod's background loop saw it first
 # ("Horovod has been shut down"), or the op's own Gloo wait ended first and its error (a timeout,
 # a closed connection) names Gloo's transport source file.
@@ -223,20 +225,26 @@ class HorovodStrategy(Strategy):
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, collectives.all_in_step)
 
     def _broadcast_from_owners(self, variables: list, owners: list[int], name: str) -> None:
-        """Each variable's value from its owner (in the train step's graph): one broadcast per
-        owner and dtype, of the owned variables flattened into one tensor. Named, as
-        Horovod matches operations across processes by name: the names TensorFlow makes up
-        differ, since each process's update ran Keras's for other variables first."""
+        """Each variable's value from its owner (in the train step's graph), in runs of
+        consecutive variables of one owner and dtype up to `BROADCAST_BUCKET_BYTES`, one run
+        after the other: at once, TensorFlow would hold every run's flat copy and result,
+        two more copies of the weights. Named, as Horovod matches operations across
+        processes by name: the names TensorFlow makes up differ, since each process's update
+        ran Keras's for other variables first."""
         import tensorflow as tf
 
+        assigned = []
         for root in range(self.size):
             owned = [v for v, owner in zip(variables, owners) if owner == root]
-            for dtype in sorted({v.dtype for v in owned}):
-                group = [v for v in owned if v.dtype == dtype]
-                wire = self.collectives.broadcast_in_step(tf.concat([tf.reshape(v.value, [-1]) for v in group], 0),
-                                                          root, f"{name}.owned_by_{root}.{dtype}")
-                for variable, part in zip(group, tf.split(wire, [int(np.prod(v.shape)) for v in group])):
-                    variable.assign(tf.reshape(part, variable.shape))
+            sizes = [v.shape.num_elements() * v.dtype.size for v in map(keras_internals.variable_value, owned)]
+            for k, run in enumerate(buckets(sizes, [v.dtype for v in owned], BROADCAST_BUCKET_BYTES)):
+                group = [owned[i] for i in run]
+                with tf.control_dependencies(assigned):
+                    wire = self.collectives.broadcast_in_step(
+                        tf.concat([tf.reshape(v.value, [-1]) for v in group], 0), root, f"{name}.{root}.{k}")
+                parts = tf.split(wire, [keras_internals.variable_value(v).shape.num_elements() for v in group])
+                assigned = [keras_internals.variable_value(v).assign(tf.reshape(part, v.shape))
+                            for v, part in zip(group, parts)]
 
     def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list[Any]:
         return self.collectives.reduce_in_step(list(tensors))
