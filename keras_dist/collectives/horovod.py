@@ -59,16 +59,21 @@ class HorovodTensorFlow(_Horovod, Collectives):
         return [s.numpy() for s in summed]
 
     # --- inside the train step (traced into its graph) --------------------------
-    def reduce_in_step(self, tensors: list, mean: bool = False, compression: str | None = None) -> list:
+    def reduce_in_step(self, tensors: list, mean: bool = False, compression: str | None = None,
+                       name: str | None = None) -> list:
         """One grouped all-reduce of `tensors` (sum, or mean over processes), optionally sent
-        as float16; Horovod names graph operations itself, the same on every process."""
+        as float16. Unnamed, Horovod names it after the graph's operations, the same on
+        every process where every process builds the same graph; `name`: the same on every
+        process, wherever the operation is in the graph."""
         hvd = self._hvd
         wire = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
-        return hvd.grouped_allreduce(list(tensors), op=hvd.Average if mean else hvd.Sum, compression=wire)
+        return hvd.grouped_allreduce(list(tensors), op=hvd.Average if mean else hvd.Sum, compression=wire,
+                                     **({} if name is None else {"name": name, "ignore_name_scope": True}))
 
     def broadcast_in_step(self, tensor: Any, root: int, name: str) -> Any:
-        """`tensor` as process `root` holds it, on every process (`name`: the same on every process)."""
-        return self._hvd.broadcast(tensor, root_rank=root, name=name)
+        """`tensor` as process `root` holds it, on every process (`name`: the same on every
+        process, wherever the operation is in the graph)."""
+        return self._hvd.broadcast(tensor, root_rank=root, name=name, ignore_name_scope=True)
 
     def all_in_step(self, flag: Any) -> Any:
         """Whether `flag` (a boolean tensor) holds on every process."""

@@ -185,7 +185,7 @@ class HorovodStrategy(Strategy):
         if options.compression == "bf16":
             raise KerasDistError(NO_BFLOAT16)
 
-        def allreduce_gradients(grads):
+        def allreduce_gradients(grads, name=None):
             import tensorflow as tf
 
             dense = [tf.convert_to_tensor(g) for g in grads][::-1]  # IndexedSlices -> dense
@@ -198,9 +198,10 @@ class HorovodStrategy(Strategy):
             runs = buckets([(g.shape.num_elements() or 0) * g.dtype.size for g in dense], [g.dtype for g in dense],
                            bucket_bytes(0, self.settings))
             reduced = []
-            for run in runs:
+            for k, run in enumerate(runs):
                 reduced += collectives.reduce_in_step([dense[i] for i in run], mean=options.reduction == "mean",
-                                                      compression=options.compression)
+                                                      compression=options.compression,
+                                                      name=None if name is None else f"{name}.gradients.{k}")
             return reduced[::-1]
 
         if options.shard == "optimizer" and self.size > 1:
@@ -210,9 +211,11 @@ class HorovodStrategy(Strategy):
             reductions_read = tf.Variable(0.0, trainable=False, name=f"{name}.reductions_read")
 
             def reduce_every_gradient(grads):
-                reduced = allreduce_gradients(grads)
+                # Named: the names Horovod would make up hold the path of the step's graph,
+                # which differs between processes once each updates other variables.
+                reduced = allreduce_gradients(grads, name)
                 # Horovod's operations are stateless, and each process updates only the
-                # variables it owns: TensorFlow's optimizer would drop the reductions of the
+                # variables it owns: TensorFlow's graph optimizer would drop the reductions of the
                 # others' gradients, and the others would wait for them forever. A variable
                 # written from a value of each keeps them all.
                 reductions_read.assign(tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(g, [-1])[:1], tf.float32))
@@ -230,7 +233,8 @@ class HorovodStrategy(Strategy):
         after the other: at once, TensorFlow would hold every run's flat copy and result,
         two more copies of the weights. Named, as Horovod matches operations across
         processes by name: the names TensorFlow makes up differ, since each process's update
-        ran Keras's for other variables first."""
+        ran Keras's for other variables first; without the path of the graph they are in
+        (steps_per_execution's loop), which differs for the same reason."""
         import tensorflow as tf
 
         assigned = []

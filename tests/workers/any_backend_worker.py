@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--shard optimizer|weights] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile]
+       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--shard optimizer|weights] [--steps-per-execution S] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile]
        [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
@@ -23,6 +23,7 @@ parser.add_argument("--callbacks", action="store_true", help="add checkpoint, ba
 parser.add_argument("--adam", action="store_true")
 parser.add_argument("--global-clipnorm", type=float, help="the optimizer's global_clipnorm")
 parser.add_argument("--shard", choices=["optimizer", "weights"], help="keras_dist's shard")
+parser.add_argument("--steps-per-execution", type=int, default=1)
 parser.add_argument("--save", choices=["every", "chief"],
                     help="every process, or the chief alone, calls model.save(OUT_DIR/model.keras) after fit")
 parser.add_argument("--compression", choices=["fp16", "bf16"], help="keras_dist's gradient_compression")
@@ -87,8 +88,8 @@ if args.two_optimizers:
     keras_dist.compile(model, hidden_optimizer=optimizer(), out_optimizer=optimizer(), loss="mse", metrics=["mae"])
 else:
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
-    keras_dist.compile(model, optimizer=optimizer(), loss="mse", metrics=["mae"],
-                       gradient_compression=args.compression, **({"shard": args.shard} if args.shard else {}))
+    keras_dist.compile(model, optimizer=optimizer(), loss="mse", metrics=["mae"], gradient_compression=args.compression,
+                       steps_per_execution=args.steps_per_execution, **({"shard": args.shard} if args.shard else {}))
 
 
 def held_bytes(variable):
