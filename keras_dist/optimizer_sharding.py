@@ -4,9 +4,10 @@ On PyTorch and under Horovod on TensorFlow (`shard_state`), every process keeps 
 model and computes gradients for all of it, as in data parallel training; but each
 variable has one owner process (`owners`: consecutive variables, about 1/N of the bytes
 each), and only the owner builds the optimizer's state for it (Adam's two moments) and
-updates it. The updated variables then travel from their owners to every other process. Per process, the optimizer's state is about 1/N of an
-unsharded one's; the result is the unsharded update's, since every owner applies it to
-the gradients reduced over all processes.
+updates it. The updated variables then travel from their owners to every other process.
+Per process, the optimizer's state is about 1/N of an unsharded one's; the result is the
+unsharded update's, since every owner applies it to the gradients reduced over all
+processes.
 
 The optimizer's `build` and `apply` are replaced on the object (no Keras class is
 patched): `build` makes state for the owned variables alone, noting which variable and
@@ -176,9 +177,9 @@ def check_level(shard: str, strategy: Any) -> None:
     if shard not in ("optimizer", "weights"):
         raise KerasDistError(f"shard must be None, 'optimizer' or 'weights', got {shard!r}")
     if strategy.size > 1 and not strategy.shards_optimizer_state:
-        raise KerasDistError(f"backend {strategy.name!r} cannot shard the optimizer's state (tf.distribute keeps "
-                             "every variable's slots whole on each worker): run under Horovod (keras-dist launch "
-                             "--backend horovod), on PyTorch or JAX (KERAS_BACKEND=torch or jax), or drop shard")
+        raise KerasDistError(f"backend {strategy.name!r} cannot shard the optimizer's state: run under Horovod "
+                             "(keras-dist launch --backend horovod), on PyTorch or JAX (KERAS_BACKEND=torch or jax), "
+                             "or drop shard (docs/sharding.md)")
     if shard == "weights" and strategy.size > 1 and not strategy.shards_weights:
         raise KerasDistError(f"backend {strategy.name!r} cannot shard the weights yet, only the optimizer's state: "
                              "use shard='optimizer', or run on JAX (KERAS_BACKEND=jax)")

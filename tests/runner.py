@@ -177,8 +177,8 @@ def rotated(cases, in_ci, matrix_variable):
     """`cases` (values, or tuples of them, for a parametrize) of which a whole-suite run
     runs only `in_ci`, the others skipped unless the variable `matrix_variable` is "1":
     slow rows that share their code run one case each in CI, a different one per row."""
+    assert in_ci in cases, (in_ci, cases)
     every = os.environ.get(matrix_variable) == "1"
     return [pytest.param(*(case if isinstance(case, tuple) else (case,)),
                          marks=() if every or case == in_ci else pytest.mark.skip(reason=f"{matrix_variable}=1 runs it"))
             for case in cases]
-

@@ -98,6 +98,8 @@ class HorovodStrategy(Strategy):
         self._hvd.init()
         self.collectives = HorovodTensorFlow(self._hvd)
         self._optimizer_numbers = itertools.count()
+        self._metric_sums = itertools.count()  # traced in the same order on every process
+        self._sharded_steps = False  # some optimizer's state is sharded: steps differ per process
         self._pin_gpu()
         if self._names_stopped_peers:
             try:
@@ -205,7 +207,11 @@ class HorovodStrategy(Strategy):
             return reduced[::-1]
 
         if options.shard == "optimizer" and self.size > 1:
+            if optimizer_sharding.is_sharded(optimizer):
+                return
             import tensorflow as tf
+
+            self._sharded_steps = True
 
             name = f"keras_dist.optimizer{next(self._optimizer_numbers)}"
             reductions_read = tf.Variable(0.0, trainable=False, name=f"{name}.reductions_read")
@@ -218,8 +224,9 @@ class HorovodStrategy(Strategy):
                 # variables it owns: TensorFlow's graph optimizer would drop the reductions of the
                 # others' gradients, and the others would wait for them forever. A variable
                 # written from a value of each keeps them all.
-                reductions_read.assign(tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(g, [-1])[:1], tf.float32))
-                                                 for g in reduced]))
+                if reduced:
+                    reductions_read.assign(tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(g, [-1])[:1], tf.float32))
+                                                     for g in reduced]))
                 return reduced
 
             optimizer_sharding.shard_state(optimizer, self, reduce_every_gradient,
@@ -229,8 +236,8 @@ class HorovodStrategy(Strategy):
 
     def _broadcast_from_owners(self, variables: list, owners: list[int], name: str) -> None:
         """Each variable's value from its owner (in the train step's graph), in runs of
-        consecutive variables of one owner and dtype up to `BROADCAST_BUCKET_BYTES`, one run
-        after the other: at once, TensorFlow would hold every run's flat copy and result,
+        consecutive variables of one owner and dtype, each closed once it reaches
+        `BROADCAST_BUCKET_BYTES` (`buckets`), one run after the other: at once, TensorFlow would hold every run's flat copy and result,
         two more copies of the weights. Named, as Horovod matches operations across
         processes by name: the names TensorFlow makes up differ, since each process's update
         ran Keras's for other variables first; without the path of the graph they are in
@@ -245,10 +252,16 @@ class HorovodStrategy(Strategy):
                 group = [owned[i] for i in run]
                 with tf.control_dependencies(assigned):
                     wire = self.collectives.broadcast_in_step(
-                        tf.concat([tf.reshape(v.value, [-1]) for v in group], 0), root, f"{name}.{root}.{k}")
+                        tf.concat([tf.reshape(keras_internals.variable_value(v), [-1]) for v in group], 0), root,
+                        f"{name}.{root}.{k}")
                 parts = tf.split(wire, [keras_internals.variable_value(v).shape.num_elements() for v in group])
                 assigned = [keras_internals.variable_value(v).assign(tf.reshape(part, v.shape))
                             for v, part in zip(group, parts)]
 
     def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list[Any]:
-        return self.collectives.reduce_in_step(list(tensors))
+        # Under shard="optimizer" the step's graph differs between processes (see
+        # `distribute_optimizer`), and with it the names Horovod would make up: named, one
+        # name per trace, as Horovod's own differ per place in the graph (with several
+        # steps a call, the first step's sum and the loop's are in flight together).
+        name = f"keras_dist.metric_states.{next(self._metric_sums)}" if self._sharded_steps else None
+        return self.collectives.reduce_in_step(list(tensors), name=name)
