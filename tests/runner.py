@@ -179,6 +179,6 @@ def rotated(cases, in_ci, matrix_variable):
     slow rows that share their code run one case each in CI, a different one per row."""
     assert in_ci in cases, (in_ci, cases)
     every = os.environ.get(matrix_variable) == "1"
-    return [pytest.param(*(case if isinstance(case, tuple) else (case,)),
-                         marks=() if every or case == in_ci else pytest.mark.skip(reason=f"{matrix_variable}=1 runs it"))
+    skip = pytest.mark.skip(reason=f"{matrix_variable}=1 runs it")
+    return [pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=() if every or case == in_ci else skip)
             for case in cases]

@@ -229,34 +229,34 @@ class HorovodStrategy(Strategy):
                                                      for g in reduced]))
                 return reduced
 
-            optimizer_sharding.shard_state(optimizer, self, reduce_every_gradient,
-                                           lambda variables, owners: self._broadcast_from_owners(variables, owners, name))
+            optimizer_sharding.shard_state(
+                optimizer, self, reduce_every_gradient,
+                lambda variables, owners: self._broadcast_from_owners(variables, owners, name))
             return
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, collectives.all_in_step)
 
     def _broadcast_from_owners(self, variables: list, owners: list[int], name: str) -> None:
         """Each variable's value from its owner (in the train step's graph), in runs of
         consecutive variables of one owner and dtype, each closed once it reaches
-        `BROADCAST_BUCKET_BYTES` (`buckets`), one run after the other: at once, TensorFlow would hold every run's flat copy and result,
-        two more copies of the weights. Named, as Horovod matches operations across
-        processes by name: the names TensorFlow makes up differ, since each process's update
-        ran Keras's for other variables first; without the path of the graph they are in
-        (steps_per_execution's loop), which differs for the same reason."""
+        `BROADCAST_BUCKET_BYTES` (`buckets`), one run after the other: at once, TensorFlow
+        would hold every run's flat copy and result, two more copies of the weights.
+        Named, as Horovod matches operations across processes by name: the names
+        TensorFlow makes up differ, since each process's update ran Keras's for other
+        variables first; without the path of the graph they are in (steps_per_execution's
+        loop), which differs for the same reason."""
         import tensorflow as tf
 
         assigned = []
         for root in range(self.size):
-            owned = [v for v, owner in zip(variables, owners) if owner == root]
-            sizes = [v.shape.num_elements() * v.dtype.size for v in map(keras_internals.variable_value, owned)]
+            owned = [keras_internals.variable_value(v) for v, owner in zip(variables, owners) if owner == root]
+            sizes = [v.shape.num_elements() * v.dtype.size for v in owned]
             for k, run in enumerate(buckets(sizes, [v.dtype for v in owned], BROADCAST_BUCKET_BYTES)):
                 group = [owned[i] for i in run]
                 with tf.control_dependencies(assigned):
-                    wire = self.collectives.broadcast_in_step(
-                        tf.concat([tf.reshape(keras_internals.variable_value(v), [-1]) for v in group], 0), root,
-                        f"{name}.{root}.{k}")
-                parts = tf.split(wire, [keras_internals.variable_value(v).shape.num_elements() for v in group])
-                assigned = [keras_internals.variable_value(v).assign(tf.reshape(part, v.shape))
-                            for v, part in zip(group, parts)]
+                    wire = self.collectives.broadcast_in_step(tf.concat([tf.reshape(v, [-1]) for v in group], 0),
+                                                              root, f"{name}.{root}.{k}")
+                parts = tf.split(wire, [v.shape.num_elements() for v in group])
+                assigned = [v.assign(tf.reshape(part, v.shape)) for v, part in zip(group, parts)]
 
     def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list[Any]:
         # Under shard="optimizer" the step's graph differs between processes (see
