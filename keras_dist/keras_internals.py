@@ -366,6 +366,16 @@ def flatten_layers(model: Any) -> list:
     return list(model._flatten_layers())
 
 
+def sublayers(layer: Any) -> list:
+    """The layers a layer holds directly (not theirs), which keras_dist's split weights walk to find each variable's layer; private method."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def own_trainable_variables(layer: Any) -> list:
+    """The trainable variables a layer made itself (not its sublayers'), which its `call` reads, for keras_dist's split weights; private attribute."""
+    return list(layer._trainable_variables)
+
+
 def save_backup(backup: Any) -> None:
     """Saves a `BackupAndRestore` now, at the position it counts, which keras_dist does at the step every process agreed on; private method."""
     backup._save_model()

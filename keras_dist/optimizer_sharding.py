@@ -63,15 +63,15 @@ class ShardedState:
         self.loaded: list[np.ndarray] | None = None
 
 
-def _layout(optimizer_variables: Sequence[Any], slots: dict[int, tuple[int, str]]) -> list[tuple]:
+def layout_of(optimizer_variables: Sequence[Any], slots: dict[int, tuple[int, str]]) -> list[tuple]:
     """Each of `optimizer_variables` as ("slot", variable index, slot name), or ("own", k) for
     the k-th that no variable's slot is (the iteration count, the learning rate)."""
     own = iter(range(len(optimizer_variables)))
     return [("slot", *slots[id(v)]) if id(v) in slots else ("own", next(own)) for v in optimizer_variables]
 
 
-def _recording(add_from_reference: Callable[..., Any], index: dict[int, int],
-               slots: dict[int, tuple[int, str]]) -> Callable[..., Any]:
+def recording_slots(add_from_reference: Callable[..., Any], index: dict[int, int],
+                    slots: dict[int, tuple[int, str]]) -> Callable[..., Any]:
     """`add_variable_from_reference` that notes which variable and slot each one it makes is."""
 
     def add(reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
@@ -82,8 +82,8 @@ def _recording(add_from_reference: Callable[..., Any], index: dict[int, int],
     return add
 
 
-def _whole_layout(optimizer: keras.optimizers.Optimizer, state: ShardedState) -> list[tuple]:
-    """The unsharded optimizer's variables, in its order (`ShardedState.layout`): the same
+def whole_layout(optimizer: keras.optimizers.Optimizer, state: ShardedState) -> list[tuple]:
+    """The unsharded optimizer's variables, in its order (as `layout_of` gives them): the same
     class, from the same config, built on placeholders of no size for the variables."""
     shadow = type(optimizer).from_config(optimizer.get_config())
     placeholders = []
@@ -95,10 +95,10 @@ def _whole_layout(optimizer: keras.optimizers.Optimizer, state: ShardedState) ->
         placeholders.append(placeholder)
     slots: dict[int, tuple[int, str]] = {}
     index = {id(p): i for i, p in enumerate(placeholders)}
-    with methods_while(shadow, {"add_variable_from_reference": _recording(shadow.add_variable_from_reference,
-                                                                          index, slots)}):
+    with methods_while(shadow, {"add_variable_from_reference": recording_slots(shadow.add_variable_from_reference,
+                                                                               index, slots)}):
         shadow.build(placeholders)
-    return _layout(shadow.variables, slots)
+    return layout_of(shadow.variables, slots)
 
 
 def gather_whole_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> Iterator[np.ndarray]:
@@ -106,15 +106,20 @@ def gather_whole_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> 
     process that owns it to every process (collective: every process iterates it whole).
     One variable at a time: no process holds the whole state at once."""
     state = sharded_state(optimizer)
-    mine = dict(zip(_layout(optimizer.variables, state.slots), optimizer.variables))
+    mine = dict(zip(layout_of(optimizer.variables, state.slots), optimizer.variables))
     owner = owners(state.variables, replicas.size)
-    for key in _whole_layout(optimizer, state):
+    for key in whole_layout(optimizer, state):
         if key[0] == "own":  # the iteration count and learning rate, the same everywhere
             yield keras.ops.convert_to_numpy(mine[key].value)
             continue
         source = owner[key[1]]
         value = keras.ops.convert_to_numpy(mine[key].value) if replicas.rank == source else None
         yield replicas.broadcast_object(value, source)
+
+
+def attach_state(optimizer: keras.optimizers.Optimizer, state: ShardedState) -> None:
+    """Marks `optimizer` as keeping its own share of the state, described by `state`."""
+    override(optimizer, _STATE, state)
 
 
 def sharded_state(optimizer: keras.optimizers.Optimizer) -> ShardedState | None:
@@ -159,7 +164,7 @@ def share_loaded_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> 
     state.loaded = None
 
 
-def _save_whole(state: ShardedState, store: Any) -> None:
+def save_whole(state: ShardedState, store: Any) -> None:
     """Writes the unsharded state into `store` as it is gathered, a variable at a time (every
     process takes part: the chief's save, and the others' stand-ins into scratch, or their
     part in `gathering_saves`)."""
@@ -167,7 +172,7 @@ def _save_whole(state: ShardedState, store: Any) -> None:
         store[str(position)] = value
 
 
-def _note_loaded(state: ShardedState, store: Any) -> None:
+def note_loaded(state: ShardedState, store: Any) -> None:
     if state.chief:
         state.loaded = [np.asarray(store[str(position)]) for position in range(len(store.keys()))]
 
@@ -247,26 +252,26 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
         # Keras builds the optimizer from every trainable variable before the first step.
         state.variables = list(variables)
         index = {id(v): i for i, v in enumerate(state.variables)}
-        recording = _recording(optimizer.add_variable_from_reference, index, state.slots)
+        recording = recording_slots(optimizer.add_variable_from_reference, index, state.slots)
         with methods_while(optimizer, {"add_variable_from_reference": recording}):
             keras_build([v for v, owner in zip(state.variables, placed(state.variables)) if owner == rank])
 
     def save_own_variables(store: Any) -> None:
         if state.variables is None:  # not built: nothing is sharded yet
             return keras_save(store)
-        _save_whole(state, store)
+        save_whole(state, store)
 
     def load_own_variables(store: Any) -> None:
         if state.variables is None:
             return keras_load(store)
-        whole = _whole_layout(optimizer, state)
+        whole = whole_layout(optimizer, state)
         if len(store.keys()) != len(whole):
             raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer unsharded "
                                  f"has {len(whole)}: it was saved with another optimizer; compile with the file's")
         position = {key: j for j, key in enumerate(whole)}
-        for variable, key in zip(optimizer.variables, _layout(optimizer.variables, state.slots)):
+        for variable, key in zip(optimizer.variables, layout_of(optimizer.variables, state.slots)):
             variable.assign(store[str(position[key])])
-        _note_loaded(state, store)
+        note_loaded(state, store)
 
     def apply(grads: list, trainable_variables: Any = None) -> None:
         if trainable_variables is None:
@@ -290,7 +295,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
     override(optimizer, "apply", apply)
     override(optimizer, "save_own_variables", save_own_variables)
     override(optimizer, "load_own_variables", load_own_variables)
-    override(optimizer, _STATE, state)
+    attach_state(optimizer, state)
 
 
 def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, layout_for: Callable[[tuple], Any],
@@ -323,7 +328,7 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, la
     def save_own_variables(store: Any) -> None:
         if not optimizer.built:
             return keras_save(store)
-        _save_whole(state, store)
+        save_whole(state, store)
 
     def load_own_variables(store: Any) -> None:
         if not optimizer.built:
@@ -334,12 +339,12 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, la
                                  "file's")
         for position, variable in enumerate(optimizer.variables):
             place(variable, np.asarray(store[str(position)]))
-        _note_loaded(state, store)
+        note_loaded(state, store)
 
     override(optimizer, "add_variable", add_variable)
     override(optimizer, "save_own_variables", save_own_variables)
     override(optimizer, "load_own_variables", load_own_variables)
-    override(optimizer, _STATE, state)
+    attach_state(optimizer, state)
 
 
 def _clip_by_global_norm(grads: list, clip_norm: float) -> list:

@@ -718,6 +718,17 @@ def test_flatten_layers():
         assert kinds.count("Dense") == 2 and "Dropout" in kinds
 
 
+def test_sublayers_and_own_trainable_variables():
+    with canary("keras.src.layers.Layer._flatten_layers(recursive=False) and Layer._trainable_variables",
+                "keras_dist's split weights (shard='weights' on PyTorch) find the layer whose call reads each variable"):
+        inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
+        assert keras_internals.sublayers(outer) == [inner, outer.layers[1]]
+        dense = inner.layers[0]
+        assert [id(v) for v in keras_internals.own_trainable_variables(dense)] == [id(dense.kernel), id(dense.bias)]
+        assert keras_internals.own_trainable_variables(outer) == []
+
+
 def test_save_method(tmp_path):
     with canary("keras.src.callbacks.ModelCheckpoint._save_model and BackupAndRestore._save_model",
                 "keras_dist.fault_tolerance.atomic_writes and the JAX strategy's chief wrap them"):

@@ -15,7 +15,7 @@ WORKER = WORKERS / "any_backend_worker.py"
 # The kill, accumulation and memory rows share the sharded optimizer's code across backends:
 # a whole-suite run runs one backend each (a different one per row); this variable, all.
 MATRIX = "KERAS_DIST_SHARDING_MATRIX"
-LEVELS = [("torch", "optimizer"), ("tensorflow", "optimizer"), ("jax", "weights")]
+LEVELS = [("torch", "optimizer"), ("torch", "weights"), ("tensorflow", "optimizer"), ("jax", "weights")]
 
 
 def train(out, configuration, keras_backend, *arguments):
@@ -29,16 +29,21 @@ def results(out, processes):
     return [json.loads((out / f"result-{rank}.json").read_text()) for rank in range(processes)]
 
 
-@pytest.mark.parametrize("keras_backend, configuration, levels, state_overhead, extra", [
-    # Each rank's own iteration count and learning rate (8 bytes) beyond the whole state's.
-    ("torch", "torchrun_2", ["optimizer"], 8, []),
+# Beyond the whole state's bytes, summed over the 2 ranks: each rank's own iteration count
+# and learning rate (8 bytes); and where each variable is split, both ranks' moments of the
+# last bias (1 weight): JAX's, which no axis splits over 2 devices, and PyTorch's slices,
+# padded to 2 of 1 weight each.
+OVERHEAD = {"optimizer": 8, "weights": 16}
+
+
+@pytest.mark.parametrize("keras_backend, configuration, levels, extra", [
+    ("torch", "torchrun_2", ["optimizer", "weights"], []),
     # Several steps a call: the step's graph holds Horovod's operations inside a loop.
-    ("tensorflow", "horovod_2", ["optimizer"], 8, ["--steps-per-execution", 3]),
-    # ...and on JAX, the moments of the last bias (1 weight), which no axis splits over 2 devices.
-    ("jax", "launch_2", ["optimizer", "weights"], 16, []),
+    ("tensorflow", "horovod_2", ["optimizer"], ["--steps-per-execution", 3]),
+    ("jax", "launch_2", ["optimizer", "weights"], []),
 ])
 def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_half_the_state(
-        tmp_path, keras_backend, configuration, levels, state_overhead, extra):
+        tmp_path, keras_backend, configuration, levels, extra):
     pytest.importorskip(keras_backend)
     common = ["--adam", "--global-clipnorm", "0.5", "--samples", 64, "--epochs", 2, *extra]
     code, output = train(tmp_path / "reference", "keras_dist_1", keras_backend, "--batch", 16, *common)
@@ -54,11 +59,13 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
         sharded = results(tmp_path / level, 2)
         for result in sharded:
             assert_trains_like(result, reference)
-        # Adam's moments split over the two ranks: PyTorch's and Horovod's by whole variables (by bytes: the
-        # first kernel's 20 weights on rank 0, the other 9 on rank 1), JAX's each along an axis.
+        # Adam's moments split over the two ranks: under "optimizer" PyTorch's and Horovod's by whole variables
+        # (by bytes: the first kernel's 20 weights on rank 0, the other 9 on rank 1), JAX's each along an axis;
+        # under "weights", each variable (PyTorch's in flat slices).
         whole = unsharded[0]["optimizer_state_bytes"]
         shares = [r["optimizer_state_bytes"] for r in sharded]
-        assert all(share < whole for share in shares) and sum(shares) == whole + state_overhead, (level, shares, whole)
+        assert all(share < whole for share in shares) and sum(shares) == whole + OVERHEAD[level], \
+            (level, shares, whole)
         # Under "weights", the 29 weights too while fit runs: 15 on each rank (the last bias on both).
         held = [r["weights_bytes_in_fit"] for r in sharded]
         assert held == ([15 * 4] * 2 if level == "weights" else [29 * 4] * 2), (level, held)
@@ -68,7 +75,7 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
         assert code == 0 and "same state" in output, output[-3000:]
 
 
-@pytest.mark.parametrize("keras_backend, level", rotated(LEVELS, ("jax", "weights"), MATRIX))
+@pytest.mark.parametrize("keras_backend, level", rotated(LEVELS, ("torch", "weights"), MATRIX))
 def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(tmp_path, keras_backend, level):
     """`BackupAndRestore` every 5 steps and a `ModelCheckpoint` of the best epoch, loaded on every
     rank after fit: the chief writes the whole state, the other rank's stand-in gathers its
@@ -169,7 +176,8 @@ print("same state", len(pairs))
 @pytest.mark.parametrize("keras_backend, case, arguments, error, processes", [
     ("torch", "chief_alone_saves", ["--adam", "--save", "chief"],
      "model.save gathers every process's share of the optimizer's state, but rank 1 on ", 1),
-    ("torch", "weights", ["--shard", "weights"], "backend 'torch' cannot shard the weights yet", 2),
+    ("torch", "weights_clipnorm", ["--shard", "weights", "--clipnorm", "1.0"],
+     "shard='weights' does not take clipnorm yet", 2),
     ("tensorflow", "weights", ["--shard", "weights"], "backend 'horovod' cannot shard the weights yet", 2),
     # JAX's gather would wait for rank 1 forever: it ended cleanly.
     ("jax", "chief_alone_saves", ["--adam", "--save", "chief"],

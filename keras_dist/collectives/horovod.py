@@ -114,6 +114,12 @@ class HorovodTorch(_Horovod, TorchTensors):
     def broadcast_(self, tensor: Any, root: int) -> None:
         self._hvd.broadcast_(tensor, root_rank=root)
 
+    def all_gather_(self, out: Any, part: Any, name: str) -> None:
+        out.copy_(self._hvd.allgather(part, name=name))
+
+    def reduce_scatter_(self, out: Any, whole: Any, name: str) -> None:
+        out.copy_(self._hvd.reducescatter(whole, name=name, op=self._hvd.Sum))
+
     # Named: Horovod's default name is the object's type, and processes that pass objects
     # of different types (the chief's seed, the others' None) would wait for each other forever.
     def _allgather_object(self, obj: Any) -> list:

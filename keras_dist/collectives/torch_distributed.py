@@ -45,6 +45,14 @@ class TorchTensors(Collectives):
         """Overwrites `tensor` in place with `root`'s."""
         raise NotImplementedError
 
+    def all_gather_(self, out: Any, part: Any, name: str) -> None:
+        """Fills the flat `out` with every process's flat `part` (all of one length), in rank order."""
+        raise NotImplementedError
+
+    def reduce_scatter_(self, out: Any, whole: Any, name: str) -> None:
+        """Fills `out` with this process's part of `whole` (flat, `size` equal parts) summed over processes."""
+        raise NotImplementedError
+
     def _sum_arrays(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         import torch
 
@@ -193,6 +201,15 @@ class TorchDistributed(TorchTensors):
     def broadcast_(self, tensor: Any, root: int) -> None:
         with self._peers_answer():
             self._dist.broadcast(tensor, src=root)
+
+    def all_gather_(self, out: Any, part: Any, name: str) -> None:
+        with self._peers_answer():
+            # torch 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single.
+            (getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor)(out, part)
+
+    def reduce_scatter_(self, out: Any, whole: Any, name: str) -> None:
+        with self._peers_answer():
+            (getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor)(out, whole)
 
     def _allgather_object(self, obj: Any) -> list:
         gathered = [None] * self.size

@@ -17,8 +17,9 @@ train.py`, or any launcher whose cluster environment names a coordinator (`srun`
 `KERAS_DISTRIBUTION_*`).
 """
 
+import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_dist import keras_internals, keras_workarounds_torch, timeouts
@@ -26,7 +27,7 @@ from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment, MPIEnvironment
 from keras_dist.errors import KerasDistError
-from keras_dist.overrides import override, set_while
+from keras_dist.overrides import is_overridden, override, set_while
 from keras_dist.settings import Settings
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 
@@ -52,6 +53,7 @@ class TorchDistributedStrategy(Strategy):
     reduces_in_keras_dist = True
     shares_random_seed = True
     shards_optimizer_state = True
+    shards_weights = True
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -93,6 +95,9 @@ class TorchDistributedStrategy(Strategy):
         # Numbers optimizers in the order they are distributed, the same on every process:
         # their collectives' names (Horovod matches and caches operations by name).
         self._optimizer_numbers = itertools.count()
+        # id(optimizer) -> its SplitWeights (shard="weights"); the one split in the fit under way.
+        self._split_weights = {}
+        self._splitting = None
 
     # --- gradients --------------------------------------------------------------
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
@@ -128,6 +133,14 @@ class TorchDistributedStrategy(Strategy):
         overlaps = not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
             not optimizer.gradient_accumulation_steps and optimizer.loss_scale_factor is None
         name = f"optimizer{next(self._optimizer_numbers)}"
+        if options.shard == "weights":
+            from keras_dist.strategies.torch_split_weights import SplitWeights
+
+            if options.compression is not None or options.reduction != "mean":
+                raise KerasDistError("shard='weights' averages each gradient's slices in full precision: drop "
+                                     "gradient_compression and gradient_reduction, or use shard='optimizer'")
+            self._split_weights[id(optimizer)] = SplitWeights(self, optimizer)
+            return
         if options.shard == "optimizer":
             optimizer_sharding.shard_state(
                 optimizer, self,
@@ -152,6 +165,52 @@ class TorchDistributedStrategy(Strategy):
             return self.collectives.min(flag)[0].to(torch.bool)
 
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
+
+    # --- shard="weights": split while fit runs ---------------------------------------
+    def after_initial_sync(self, model: "keras.Model") -> None:
+        split = self._split_weights.get(id(model.optimizer))
+        if split is not None and self.size > 1:
+            split.split(model)
+            self._splitting = split
+
+    def run_loop(self, method: str, model: "keras.Model", keras_method: Callable[..., Any], arguments: dict) -> Any:
+        if method != "fit":
+            return keras_method(**arguments)
+        ended = False
+        try:
+            result = keras_method(**arguments)
+            ended = True
+            return result
+        finally:
+            if self._splitting is not None:
+                # Whole again for evaluate, predict and the script; not after a failure, whose
+                # peers may be gone (a gather would wait for them).
+                self._splitting.join(gather=ended)
+                self._splitting = None
+
+    def process_local_steps(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
+        # Each process evaluates its own shard, in as many steps as it has: no per-layer gathers.
+        return self._splitting.whole() if self._splitting is not None else contextlib.nullcontext()
+
+    def replicated_weights(self, weights: Sequence["keras.Variable"]) -> list:
+        split = self._splitting
+        return [w for w in weights if split is None or id(w) not in split.slices]
+
+    def chief_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
+        """Under shard="weights", a checkpoint in fit gathers the split weights whole while it
+        saves (on the chief and in every other process's stand-in, at the same step)."""
+        if not self._split_weights or not hasattr(callback, "_save_model") or \
+                is_overridden(callback, "_keras_dist_saves_whole"):
+            return callback
+        keras_save = keras_internals.save_method(callback)
+
+        def save_whole(*args: Any, **kwargs: Any) -> Any:
+            with self._splitting.whole() if self._splitting is not None else contextlib.nullcontext():
+                return keras_save(*args, **kwargs)
+
+        override(callback, "_save_model", save_whole)
+        override(callback, "_keras_dist_saves_whole", True)
+        return callback
 
     def _broadcast_from_owners(self, variables: list, owners: list[int]) -> None:
         """Each variable's value from its owner, one broadcast per owner and dtype."""

@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--shard optimizer|weights] [--steps-per-execution S] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile]
+       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--clipnorm C] [--shard optimizer|weights] [--steps-per-execution S] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile]
        [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
@@ -9,6 +9,7 @@ TensorFlow and Horovod keras_dist imported.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ parser.add_argument("--eval-samples", type=int, default=17)
 parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
 parser.add_argument("--adam", action="store_true")
 parser.add_argument("--global-clipnorm", type=float, help="the optimizer's global_clipnorm")
+parser.add_argument("--clipnorm", type=float, help="the optimizer's clipnorm")
 parser.add_argument("--shard", choices=["optimizer", "weights"], help="keras_dist's shard")
 parser.add_argument("--steps-per-execution", type=int, default=1)
 parser.add_argument("--save", choices=["every", "chief"],
@@ -80,7 +82,7 @@ class TwoOptimizers(keras.Model):
 
 def optimizer():
     kind, rate = (keras.optimizers.Adam, 0.02) if args.adam else (keras.optimizers.SGD, 0.05)
-    return kind(rate, global_clipnorm=args.global_clipnorm)
+    return kind(rate, global_clipnorm=args.global_clipnorm, clipnorm=args.clipnorm)
 
 
 if args.two_optimizers:
@@ -105,13 +107,27 @@ class KillAtEpochEnd(keras.callbacks.Callback):
             os.kill(os.getpid(), 9)
 
 
+def trainable_bytes_in_torch():
+    """The bytes of every trainable torch tensor this process holds: the model's variables and
+    any slices of them keras_dist keeps (shard="weights"), by their storage, however held."""
+    import torch
+
+    storages = {}
+    for obj in gc.get_objects():
+        if type(obj) is torch.nn.Parameter and obj.requires_grad:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(storages.values())
+
+
 class HeldAtTrainEnd(keras.callbacks.Callback):
     """The bytes of trainable weights this process holds at fit's end, still inside fit."""
 
     held = None
 
     def on_train_end(self, logs=None):
-        HeldAtTrainEnd.held = sum(held_bytes(v) for v in self.model.trainable_variables)
+        HeldAtTrainEnd.held = trainable_bytes_in_torch() if keras.backend.backend() == "torch" else \
+            sum(held_bytes(v) for v in self.model.trainable_variables)
 
 
 callbacks = [KillAtEpochEnd(), HeldAtTrainEnd()]

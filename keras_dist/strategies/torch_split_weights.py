@@ -1,0 +1,350 @@
+"""The model's trainable weights split over PyTorch processes while `fit` runs
+(`keras_dist.compile(..., shard="weights")`, ZeRO stage 3).
+
+Each trainable variable is cut, flat and padded, into N equal slices; process r keeps
+slice r as a variable of its own (`SplitWeights.slices`), and the optimizer is built on
+those slices alone (Keras's own update rule on each process's part: Adam's state 1/N).
+While `fit` runs, the storage of the model's own variables is released, so each process
+holds 1/N of the weights, 1/N of their gradients and 1/N of the optimizer's state:
+
+- forward: each layer that owns trainable variables gathers them whole as its `call`
+  starts (one all-gather of the layer's slices) and releases them as it ends;
+- backward: a hook on the layer's outputs gathers them again before the layer's own
+  gradients are computed; as each variable's gradient is complete, a hook
+  reduce-scatters it into this process's slice of the averaged gradient and releases
+  the variable and its gradient;
+- update: the optimizer applies the slices' gradients to the slices.
+
+Torch's autograd keeps the variable (a `Parameter`) itself for the backward pass, not a
+copy: releasing and gathering replace its data (`Parameter.data`), which autograd allows
+and does not count as a change of the tensor it saved.
+
+Variables read outside their layer's `call` stay whole: those with a regularizer (Keras
+computes the penalty from the variable after the forward pass), and any no layer owns.
+Their update is still split (each process updates its slice; the slices are gathered
+after each step). At fit's end (and around each checkpoint the chief writes in `fit`)
+every variable is gathered whole again, so `evaluate`, `predict`, saves and the script's
+own code see the unsharded model. The optimizer's state stays split; saves write it
+whole, in the unsharded optimizer's order (`optimizer_sharding.whole_layout`).
+"""
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import keras
+import numpy as np
+
+from keras_dist import keras_internals, optimizer_sharding
+from keras_dist.errors import KerasDistError
+from keras_dist.overrides import is_overridden, methods_while, override
+
+if TYPE_CHECKING:
+    import torch
+
+    from keras_dist.strategies.torch_distributed import TorchDistributedStrategy
+
+# On a layer: the `SplitWeights` its `call` gathers from, or None (the weights are whole).
+_SPLIT = "_keras_dist_split_weights"
+
+
+class SplitWeights:
+    """One model's trainable variables split over the job's processes, with the optimizer
+    that trains their slices.
+
+    Args:
+        strategy: the `TorchDistributedStrategy` (its collectives, rank and size).
+        optimizer: the model's optimizer, not yet built; it is made to build and update
+            the slices (`keras_dist.compile` calls this for `shard="weights"`).
+    """
+
+    def __init__(self, strategy: "TorchDistributedStrategy", optimizer: keras.optimizers.Optimizer) -> None:
+        import torch
+
+        self._torch = torch
+        self.collectives, self.rank, self.size = strategy.collectives, strategy.rank, strategy.size
+        self.optimizer = optimizer
+        self.variables: list[keras.Variable] = []  # the model's, as the optimizer was built on them
+        self.index: dict[int, int] = {}  # id(variable) -> its position in `variables`
+        self.slices: dict[int, keras.Variable] = {}  # id(variable) -> this process's slice of it
+        self.kept_whole: set[int] = set()  # ids of variables read outside their layer's call
+        self.released: set[int] = set()  # ids of variables whose data is released now
+        self.gradients: dict[int, "torch.Tensor"] = {}  # id(variable) -> this step's reduced slice
+        self.units: dict[int, list[keras.Variable]] = {}  # id(layer) -> the split variables it owns
+        self.active = False  # the variables are split (inside fit)
+        self._hooks: list = []
+        self.state = optimizer_sharding.ShardedState(self._gather_whole_state, strategy.is_chief, "weights")
+        self._shard_optimizer()
+
+    # --- the optimizer, on the slices ------------------------------------------------
+    def _shard_optimizer(self) -> None:
+        optimizer, state = self.optimizer, self.state
+        optimizer_sharding.check_supported(optimizer)
+        if optimizer.clipnorm:
+            raise KerasDistError("shard='weights' does not take clipnorm yet (each process holds a slice of each "
+                                 "gradient): use global_clipnorm, or shard='optimizer'")
+        keras_build, keras_apply = optimizer.build, optimizer.apply
+        keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
+
+        def build(variables: list) -> None:
+            for variable in variables:
+                if variable.constraint is not None or getattr(variable, "overwrite_with_gradient", False):
+                    raise KerasDistError(f"shard='weights' cannot split {variable.path}: its constraint (or float8 "
+                                         "scale) applies to the whole variable; use shard='optimizer'")
+            state.variables = list(variables)
+            self.variables = state.variables
+            self.index = {id(v): i for i, v in enumerate(self.variables)}
+            for variable in self.variables:
+                self.slices[id(variable)] = keras.Variable(self._my_slice_of(variable), dtype=variable.dtype,
+                                                           name=f"{variable.path.replace('/', '_')}_slice")
+            slices = [self.slices[id(v)] for v in self.variables]
+            index = {id(s): i for i, s in enumerate(slices)}
+            recording = optimizer_sharding.recording_slots(optimizer.add_variable_from_reference, index, state.slots)
+            with methods_while(optimizer, {"add_variable_from_reference": recording}):
+                keras_build(slices)
+
+        def apply(grads: list, trainable_variables: Any = None) -> None:
+            variables = list(trainable_variables) if trainable_variables is not None else self.variables
+            pairs = []
+            for variable, grad in zip(variables, grads):
+                reduced = self.gradients.pop(id(variable), None)
+                if reduced is None and grad is not None:  # whole (a step outside fit): its slice as it is now
+                    reduced = self._reduced_slice(variable, grad)
+                    self.slices[id(variable)].assign(self._my_slice_of(variable))
+                if reduced is not None:
+                    pairs.append((reduced, self.slices[id(variable)]))
+            if optimizer.global_clipnorm and pairs:
+                pairs = list(zip(self._clipped([g for g, _ in pairs], optimizer.global_clipnorm),
+                                 [s for _, s in pairs]))
+            if pairs:
+                keras_apply([g for g, _ in pairs], [s for _, s in pairs])
+            else:
+                optimizer.iterations.assign_add(1)
+            # Variables the step gathered and never released (no gradient reached them).
+            self.release([v for v in self.variables if id(v) not in self.released and id(v) not in self.kept_whole])
+            self.gather([v for v in self.variables if not self.active or id(v) in self.kept_whole], refresh=True)
+
+        def save_own_variables(store: Any) -> None:
+            if state.variables is None:
+                return keras_save(store)
+            optimizer_sharding.save_whole(state, store)
+
+        def load_own_variables(store: Any) -> None:
+            if state.variables is None:
+                return keras_load(store)
+            whole = optimizer_sharding.whole_layout(optimizer, state)
+            if len(store.keys()) != len(whole):
+                raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer "
+                                     f"unsharded has {len(whole)}: it was saved with another optimizer; compile with "
+                                     "the file's")
+            position = {key: j for j, key in enumerate(whole)}
+            for mine, key in zip(optimizer.variables, optimizer_sharding.layout_of(optimizer.variables, state.slots)):
+                value = np.asarray(store[str(position[key])])
+                mine.assign(self._my_slice(value, int(np.prod(mine.shape))) if key[0] == "slot" else value)
+            optimizer_sharding.note_loaded(state, store)
+
+        override(optimizer, "build", build)
+        override(optimizer, "apply", apply)
+        override(optimizer, "save_own_variables", save_own_variables)
+        override(optimizer, "load_own_variables", load_own_variables)
+        optimizer_sharding.attach_state(optimizer, state)
+
+    def _my_slice(self, whole: np.ndarray, length: int) -> np.ndarray:
+        flat = np.zeros((length * self.size,), whole.dtype)
+        flat[:whole.size] = whole.reshape(-1)
+        return flat[self.rank * length:(self.rank + 1) * length]
+
+    def _gather_whole_state(self) -> Iterator[np.ndarray]:
+        """The unsharded optimizer's state in its order, a variable at a time (collective)."""
+        optimizer, state = self.optimizer, self.state
+        mine = dict(zip(optimizer_sharding.layout_of(optimizer.variables, state.slots), optimizer.variables))
+        for key in optimizer_sharding.whole_layout(optimizer, state):
+            value = _parameter(mine[key])  # not `.value`: inside a layer's call Keras casts it to the compute dtype
+            if key[0] == "own":
+                yield keras.ops.convert_to_numpy(value)
+                continue
+            variable = state.variables[key[1]]
+            whole = self._all_gathered(value.detach(), f"state.{key[1]}.{key[2]}")
+            yield whole[:int(np.prod(variable.shape))].reshape(variable.shape).cpu().numpy()
+
+    def _clipped(self, grads: list, clip_norm: float) -> list:
+        """The slices' gradients scaled so that the whole gradients' joint norm is at most `clip_norm`."""
+        torch = self._torch
+        squares = torch.stack([torch.sum(torch.square(g.float())) for g in grads]).sum().reshape(1)
+        squares = self.collectives.wait(self.collectives.start_sum(squares.to(self.collectives.device),
+                                                                   "keras_dist.split_weights.norm"), squares)
+        scale = torch.clamp(clip_norm / torch.clamp(torch.sqrt(squares), min=1e-12), max=1.0).to(grads[0].device)
+        return [g * scale.to(g.dtype) for g in grads]
+
+    # --- the model's variables ------------------------------------------------------
+    def split(self, model: keras.Model) -> None:
+        """Takes each process's slice of the (whole, equal) variables and releases their data;
+        installs the layers' gathers and the gradients' reductions (at fit's start)."""
+        if not self.variables or self.active:
+            return
+        owned = _reading_layers(model)
+        self.kept_whole = {id(v) for v in self.variables if v.regularizer is not None or id(v) not in owned}
+        self.units = {}
+        for variable in self.variables:
+            if id(variable) not in self.kept_whole:
+                self.units.setdefault(id(owned[id(variable)]), []).append(variable)
+        for layer in {id(layer): layer for layer in owned.values()}.values():
+            _gathering_call(layer, self._torch)
+            object.__setattr__(layer, _SPLIT, self)
+        with self._torch.no_grad():
+            for variable in self.variables:
+                self.slices[id(variable)].assign(self._my_slice_of(variable))
+        self._hooks = [_parameter(v).register_post_accumulate_grad_hook(self._gradient_ready(v))
+                       for v in self.variables]
+        self.active = True
+        self.release([v for v in self.variables if id(v) not in self.kept_whole])
+
+    def join(self, gather: bool = True) -> None:
+        """Gathers every variable whole again, for good (at fit's end); without `gather` (fit
+        failed: a peer may be gone) the released variables stay empty."""
+        if not self.active:
+            return
+        if gather:
+            self.gather(self.variables)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.gradients.clear()
+        self.active = False
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Every variable whole for the duration (a checkpoint in fit; collective)."""
+        if not self.active:
+            yield
+            return
+        self.gather(self.variables)
+        try:
+            yield
+        finally:
+            self.release([v for v in self.variables if id(v) not in self.kept_whole])
+
+    def unit_of(self, layer: Any) -> list[keras.Variable]:
+        return self.units.get(id(layer), []) if self.active else []
+
+    def gather(self, variables: list, refresh: bool = False) -> list:
+        """Makes `variables` whole from every process's slice, in one all-gather per dtype
+        (collective: every process asks for the same ones); with `refresh`, also those held
+        whole already. Returns those it gathered."""
+        torch = self._torch
+        wanted = [v for v in variables if refresh or id(v) in self.released]
+        for dtype in sorted({_parameter(v).dtype for v in wanted}, key=str):
+            group = [v for v in wanted if _parameter(v).dtype == dtype]
+            lengths = [len(_parameter(self.slices[id(v)])) for v in group]
+            mine = torch.cat([_parameter(self.slices[id(v)]).detach().reshape(-1) for v in group])
+            everyone = self._all_gathered(mine, f"weights.{self.index[id(group[0])]}.{len(group)}").view(self.size, -1)
+            start = 0
+            for variable, length in zip(group, lengths):
+                count = int(np.prod(variable.shape))
+                # One process's slice after another: a copy where the group holds several variables.
+                whole = everyone[:, start:start + length].reshape(-1)[:count].reshape(tuple(variable.shape))
+                _parameter(variable).data = whole
+                start += length
+                self.released.discard(id(variable))
+        return wanted
+
+    def release(self, variables: list) -> None:
+        """Drops the whole data of `variables` (their slices stay); no collective."""
+        for variable in variables:
+            parameter = _parameter(variable)
+            parameter.data = self._torch.empty((0,), dtype=parameter.dtype, device=parameter.device)
+            self.released.add(id(variable))
+
+    def _my_slice_of(self, variable: keras.Variable) -> "torch.Tensor":
+        """This process's slice of the whole `variable` (flat, padded with zeros)."""
+        torch = self._torch
+        length = _slice_length(variable, self.size)
+        flat = torch.zeros((length * self.size,), dtype=_parameter(variable).dtype, device=_parameter(variable).device)
+        with torch.no_grad():
+            flat[:int(np.prod(variable.shape))] = _parameter(variable).detach().reshape(-1)
+        return flat[self.rank * length:(self.rank + 1) * length].clone()
+
+    def _all_gathered(self, part: "torch.Tensor", name: str) -> "torch.Tensor":
+        device = self.collectives.device
+        out = self._torch.empty((part.numel() * self.size,), dtype=part.dtype, device=device)
+        self.collectives.all_gather_(out, part.to(device).contiguous(), f"keras_dist.split_weights.{name}")
+        return out.to(part.device)
+
+    def _reduced_slice(self, variable: keras.Variable, grad: "torch.Tensor") -> "torch.Tensor":
+        """This process's slice of `grad` averaged over processes (collective)."""
+        torch = self._torch
+        device = self.collectives.device
+        length = _slice_length(variable, self.size)
+        flat = torch.zeros((length * self.size,), dtype=grad.dtype, device=device)
+        flat[:grad.numel()] = grad.detach().reshape(-1)
+        out = torch.empty((length,), dtype=grad.dtype, device=device)
+        self.collectives.reduce_scatter_(out, flat, f"keras_dist.split_weights.gradient.{self.index[id(variable)]}")
+        return out.div_(self.size).to(grad.device)
+
+    def _gradient_ready(self, variable: keras.Variable) -> Any:
+        def ready(parameter: "torch.Tensor") -> None:
+            if not self.active or parameter.grad is None:
+                return
+            reduced = self._reduced_slice(variable, parameter.grad)
+            earlier = self.gradients.get(id(variable))  # a second backward in the same step
+            self.gradients[id(variable)] = reduced if earlier is None else earlier + reduced
+            parameter.grad = None
+            if id(variable) not in self.kept_whole:
+                self.release([variable])
+
+        return ready
+
+
+def _slice_length(variable: keras.Variable, size: int) -> int:
+    return max(1, -(-int(np.prod(variable.shape)) // size))
+
+
+def _parameter(variable: keras.Variable) -> "torch.nn.Parameter":
+    return keras_internals.variable_value(variable)
+
+
+def _reading_layers(model: keras.Model) -> dict[int, Any]:
+    """id(trainable variable) -> the layer whose `call` reads it: the layer that made it,
+    except inside a recurrent layer, whose own call reads its cell's variables directly
+    (Keras's fused LSTM and GRU): the outermost such layer."""
+    reading: dict[int, Any] = {}
+
+    def visit(layer: Any, recurrent: Any) -> None:
+        if recurrent is None and isinstance(layer, keras.layers.RNN):
+            recurrent = layer
+        for variable in keras_internals.own_trainable_variables(layer):
+            reading.setdefault(id(variable), recurrent or layer)
+        for sublayer in keras_internals.sublayers(layer):
+            visit(sublayer, recurrent)
+
+    visit(model, None)
+    return reading
+
+
+def _gathering_call(layer: Any, torch: Any) -> None:
+    """Makes `layer.call` gather the split variables it owns while it runs, and again before
+    its backward pass (once per layer object: it reads the layer's current `SplitWeights`)."""
+    if is_overridden(layer, "call"):
+        return
+    keras_call = layer.call
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        split = vars(layer).get(_SPLIT)
+        variables = split.unit_of(layer) if split is not None else []
+        if not variables:
+            return keras_call(*args, **kwargs)
+        gathered = split.gather(variables)  # none where they are whole already (`SplitWeights.whole`)
+        try:
+            outputs = keras_call(*args, **kwargs)
+            if torch.is_grad_enabled() and gathered:
+                def before_backward(grad: Any) -> None:
+                    split.gather(variables)
+
+                for tensor in keras.tree.flatten(outputs):
+                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                        tensor.register_hook(before_backward)
+        finally:
+            split.release(gathered)
+        return outputs
+
+    override(layer, "call", call)
