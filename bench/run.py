@@ -80,7 +80,7 @@ jax_mlp and torch_mlp run, 1 thread per process:
   handwritten_2       that framework's own loop, 2 processes: a jitted JAX step over a mesh
                       of both processes' devices, or a torch.nn model under DDP
   keras_dist_adam_2   keras_dist_2 with Adam; keras_dist_shard_2 the same with its state sharded
-                      over the processes (shard="optimizer"); jax_mlp only: keras_dist_shard_weights_2,
+                      over the processes (shard="optimizer"); jax_mlp and torch_mlp: keras_dist_shard_weights_2,
                       the weights split too (shard="weights")
   keras_dist_hvd_2    torch_mlp only: the two-line change under horovodrun -np 2 (Horovod's
                       torch operations instead of torch.distributed)
@@ -256,11 +256,11 @@ CONFIGS = {
 CONFIGS["torch"] += [Config(name, mode, 2, "horovod", env={"KERAS_BACKEND": "torch"}, worker="backend_worker.py")
                      for name, mode in (("keras_dist_hvd_2", "keras_dist"), ("handwritten_hvd_2", "handwritten"))]
 # Adam, its state unsharded and sharded over the 2 processes (keras_dist.compile(shard="optimizer"));
-# on JAX the weights split too (shard="weights").
-SHARD_LEVELS = {"torch": (("keras_dist_adam_2", {}), ("keras_dist_shard_2", {"BENCH_SHARD": "optimizer"})),
-                "jax": (("keras_dist_adam_2", {}), ("keras_dist_shard_2", {"BENCH_SHARD": "optimizer"}),
-                        ("keras_dist_shard_weights_2", {"BENCH_SHARD": "weights"}))}
-SHARD_LEVELS["tensorflow"] = SHARD_LEVELS["torch"]
+# on JAX and PyTorch the weights split too (shard="weights").
+SHARD_LEVELS = {"torch": (("keras_dist_adam_2", {}), ("keras_dist_shard_2", {"BENCH_SHARD": "optimizer"}),
+                          ("keras_dist_shard_weights_2", {"BENCH_SHARD": "weights"}))}
+SHARD_LEVELS["jax"] = SHARD_LEVELS["torch"]
+SHARD_LEVELS["tensorflow"] = SHARD_LEVELS["torch"][:2]
 CONFIGS["tensorflow"] = []
 for backend, levels in SHARD_LEVELS.items():
     CONFIGS[backend] += [Config(name, "keras_dist", 2, "horovod" if backend == "tensorflow" else backend,
@@ -312,12 +312,19 @@ SHARD_RATIOS = [
     ("keras_dist_shard_2_vs_keras_dist_adam_2", "keras_dist_shard_2", "keras_dist_adam_2", SPS, None),
     ("cpu_keras_dist_shard_2_vs_keras_dist_adam_2", "keras_dist_shard_2", "keras_dist_adam_2", CPU, None),
 ]
+WEIGHTS_RATIOS = [
+    ("keras_dist_shard_weights_2_vs_keras_dist_adam_2", "keras_dist_shard_weights_2", "keras_dist_adam_2", SPS, None),
+    ("cpu_keras_dist_shard_weights_2_vs_keras_dist_adam_2", "keras_dist_shard_weights_2", "keras_dist_adam_2", CPU,
+     None),
+]
 RATIOS["torch"] += [
     ("keras_dist_hvd_2_vs_handwritten_hvd_2", "keras_dist_hvd_2", "handwritten_hvd_2", SPS, None),
     ("cpu_keras_dist_hvd_2_vs_handwritten_hvd_2", "keras_dist_hvd_2", "handwritten_hvd_2", CPU, None),
     ("keras_dist_hvd_2_vs_keras_dist_2", "keras_dist_hvd_2", "keras_dist_2", SPS, None),
     *SHARD_RATIOS,
+    *WEIGHTS_RATIOS,
 ]
+RATIOS["jax"] += [*SHARD_RATIOS, *WEIGHTS_RATIOS]
 RATIOS["tensorflow"] = SHARD_RATIOS
 
 

@@ -6,7 +6,7 @@
 Each round runs, alternated, `keras-dist launch -n N` on Keras's PyTorch (or JAX, or TensorFlow under Horovod) backend
 of an MLP (3 Dense layers of --width units and one of 10: about 50M weights at 4096) trained 6 steps
 with Adam, once unsharded and once per level of sharding the backend has ("optimizer";
-JAX: "weights" too). Every process reports the bytes of its optimizer's variables that
+JAX and PyTorch: "weights" too). Every process reports the bytes of its optimizer's variables that
 it holds and its peak resident memory (`ru_maxrss`); printed: a line per process, then
 the medians of each setting and their ratios to unsharded, and as the last line a JSON
 object.
@@ -105,7 +105,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.width, args.shard, args.cap_mib)
-    settings = {"unsharded": None, "optimizer": "optimizer", **({"weights": "weights"} if args.backend == "jax" else {})}
+    settings = {"unsharded": None, "optimizer": "optimizer", **({"weights": "weights"} if args.backend in ("jax", "torch") else {})}
     if args.cap_mib:
         widest = {name: widest_under_cap(args.backend, args.processes, shard, args.cap_mib)
                   for name, shard in settings.items()}

@@ -37,7 +37,8 @@ OVERHEAD = {"optimizer": 8, "weights": 16}
 
 
 @pytest.mark.parametrize("keras_backend, configuration, levels, extra", [
-    ("torch", "torchrun_2", ["optimizer", "weights"], []),
+    # EarlyStopping reads and restores the weights in fit (split under "weights").
+    ("torch", "torchrun_2", ["optimizer", "weights"], ["--early-stopping", "--epochs", 3]),
     # Several steps a call: the step's graph holds Horovod's operations inside a loop.
     ("tensorflow", "horovod_2", ["optimizer"], ["--steps-per-execution", 3]),
     ("jax", "launch_2", ["optimizer", "weights"], []),

@@ -72,6 +72,7 @@ class SplitWeights:
         self.gradients: dict[int, "torch.Tensor"] = {}  # id(variable) -> this step's reduced slice
         self.units: dict[int, list[keras.Variable]] = {}  # id(layer) -> the split variables it owns
         self.active = False  # the variables are split (inside fit)
+        self._whole_depth = 0  # nested `whole` blocks: the outermost gathers and releases
         self._hooks: list = []
         self.state = optimizer_sharding.ShardedState(self._gather_whole_state, strategy.is_chief, "weights")
         self._shard_optimizer()
@@ -196,6 +197,9 @@ class SplitWeights:
                 self.slices[id(variable)].assign(self._my_slice_of(variable))
         self._hooks = [_parameter(v).register_post_accumulate_grad_hook(self._gradient_ready(v))
                        for v in self.variables]
+        for name in ("get_weights", "set_weights"):  # every process calls them alike (EarlyStopping)
+            if not is_overridden(model, name):
+                override(model, name, self._whole_while(getattr(model, name)))
         self.active = True
         self.release([v for v in self.variables if id(v) not in self.kept_whole])
 
@@ -214,15 +218,29 @@ class SplitWeights:
 
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
-        """Every variable whole for the duration (a checkpoint in fit; collective)."""
-        if not self.active:
+        """Every variable whole for the duration (evaluation, a checkpoint or the model's
+        `get_weights` and `set_weights` in fit; collective); what was assigned meanwhile
+        (`set_weights`: `EarlyStopping` restoring the best weights) reaches the slices."""
+        if not self.active or self._whole_depth:
             yield
             return
         self.gather(self.variables)
+        self._whole_depth += 1
         try:
             yield
         finally:
+            self._whole_depth -= 1
+            with self._torch.no_grad():
+                for variable in self.variables:
+                    _parameter(self.slices[id(variable)]).copy_(self._my_slice_of(variable))
             self.release([v for v in self.variables if id(v) not in self.kept_whole])
+
+    def _whole_while(self, method: Any) -> Any:
+        def whole_method(*args: Any, **kwargs: Any) -> Any:
+            with self.whole():
+                return method(*args, **kwargs)
+
+        return whole_method
 
     def unit_of(self, layer: Any) -> list[keras.Variable]:
         return self.units.get(id(layer), []) if self.active else []

@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--clipnorm C] [--shard optimizer|weights] [--steps-per-execution S] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile]
+       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--clipnorm C] [--shard optimizer|weights] [--steps-per-execution S] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile] [--early-stopping]
        [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
@@ -24,6 +24,8 @@ parser.add_argument("--callbacks", action="store_true", help="add checkpoint, ba
 parser.add_argument("--adam", action="store_true")
 parser.add_argument("--global-clipnorm", type=float, help="the optimizer's global_clipnorm")
 parser.add_argument("--clipnorm", type=float, help="the optimizer's clipnorm")
+parser.add_argument("--early-stopping", action="store_true",
+                    help="EarlyStopping restoring the best weights, as a rising loss stops the run after epoch 2")
 parser.add_argument("--shard", choices=["optimizer", "weights"], help="keras_dist's shard")
 parser.add_argument("--steps-per-execution", type=int, default=1)
 parser.add_argument("--save", choices=["every", "chief"],
@@ -131,6 +133,8 @@ class HeldAtTrainEnd(keras.callbacks.Callback):
 
 
 callbacks = [KillAtEpochEnd(), HeldAtTrainEnd()]
+if args.early_stopping:  # a falling loss counts as no improvement: stops after epoch 2, restores epoch 1's weights
+    callbacks.append(keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1, restore_best_weights=True))
 if args.callbacks:
     callbacks += [
         keras.callbacks.ModelCheckpoint(os.path.join(args.out, "ckpt.weights.h5"), save_weights_only=True),
