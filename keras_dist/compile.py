@@ -38,7 +38,7 @@ def compile(
         shard: `None` (default), or `"optimizer"`: each process keeps the optimizer's
             state (Adam's moments) for its share of the variables only, about 1/N of it,
             and updates those; the result is the unsharded one's (ZeRO stage 1; PyTorch, JAX,
-            and TensorFlow under Horovod). `"weights"` (JAX): the model's trainable
+            and TensorFlow under Horovod). `"weights"` (JAX, PyTorch): the model's trainable
             weights are split over the processes too while fit runs, each gathered where
             the step uses it (ZeRO stage 3, docs/sharding.md). Unset: `KERAS_DIST_SHARD`'s, if set.
         **kwargs: passed to `model.compile`.

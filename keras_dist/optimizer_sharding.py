@@ -32,7 +32,9 @@ On JAX the state is sharded by layout instead (`shard_state_by_layout`): each sl
 optimizer makes is one array over the job's mesh, split along an axis of the variable
 (Keras's `TensorLayout`, as `ModelParallel`'s layouts are), and XLA's step updates each
 process's part and gathers the updated variables. Under `shard="weights"` the JAX strategy
-splits the model's trainable weights the same way while fit runs.
+splits the model's trainable weights the same way while fit runs; on PyTorch,
+`keras_dist.strategies.torch_split_weights` splits every variable and its optimizer state
+in flat slices.
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -187,7 +189,7 @@ def check_level(shard: str, strategy: Any) -> None:
                              "or drop shard (docs/sharding.md)")
     if shard == "weights" and strategy.size > 1 and not strategy.shards_weights:
         raise KerasDistError(f"backend {strategy.name!r} cannot shard the weights yet, only the optimizer's state: "
-                             "use shard='optimizer', or run on JAX (KERAS_BACKEND=jax)")
+                             "use shard='optimizer', or run on JAX or PyTorch (KERAS_BACKEND=jax or torch)")
 
 
 def owners(variables: Sequence[Any], size: int) -> list[int]:

@@ -718,15 +718,22 @@ def test_flatten_layers():
         assert kinds.count("Dense") == 2 and "Dropout" in kinds
 
 
-def test_sublayers_and_own_trainable_variables():
-    with canary("keras.src.layers.Layer._flatten_layers(recursive=False) and Layer._trainable_variables",
-                "keras_dist's split weights (shard='weights' on PyTorch) find the layer whose call reads each variable"):
+def test_sublayers():
+    with canary("keras.src.layers.Layer._flatten_layers(include_self=False, recursive=False)",
+                "keras_dist's split weights (shard='weights' on PyTorch) walk the layers to find who reads each variable"):
         inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
-        assert keras_internals.sublayers(outer) == [inner, outer.layers[1]]
+        found = [id(layer) for layer in keras_internals.sublayers(outer)]
+        assert id(inner) in found and id(outer.layers[1]) in found and id(inner.layers[0]) not in found
+
+
+def test_own_trainable_variables():
+    with canary("keras.src.layers.Layer._trainable_variables",
+                "keras_dist's split weights (shard='weights' on PyTorch) gather a layer's own variables for its call"):
+        inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         dense = inner.layers[0]
         assert [id(v) for v in keras_internals.own_trainable_variables(dense)] == [id(dense.kernel), id(dense.bias)]
-        assert keras_internals.own_trainable_variables(outer) == []
+        assert keras_internals.own_trainable_variables(inner) == []
 
 
 def test_save_method(tmp_path):

@@ -131,6 +131,7 @@ def test_a_sharded_backup_resumes_on_another_process_count_as_an_unsharded_job_d
 CAPPED = [
     ("torch", 2200, [], {"KERAS_DIST_SHARD": "optimizer"}),  # sharded by the setting, the script unchanged
     ("jax", 1780, ["--shard", "weights"], {}),
+    ("torch", 2200, ["--shard", "weights"], {}),
 ]
 
 

@@ -199,8 +199,10 @@ class TorchDistributedStrategy(Strategy):
     def chief_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
         """Under shard="weights", a checkpoint in fit gathers the split weights whole while it
         saves (on the chief and in every other process's stand-in, at the same step)."""
-        if not self._split_weights or not hasattr(callback, "_save_model") or \
-                is_overridden(callback, "_keras_dist_saves_whole"):
+        import keras
+
+        saves = isinstance(callback, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore))
+        if not self._split_weights or not saves or is_overridden(callback, "_keras_dist_saves_whole"):
             return callback
         keras_save = keras_internals.save_method(callback)
 

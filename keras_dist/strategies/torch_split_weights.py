@@ -97,7 +97,7 @@ class SplitWeights:
             self.index = {id(v): i for i, v in enumerate(self.variables)}
             for variable in self.variables:
                 self.slices[id(variable)] = keras.Variable(self._my_slice_of(variable), dtype=variable.dtype,
-                                                           name=f"{variable.path.replace('/', '_')}_slice")
+                                                           name=f"keras_dist_slice_of_{variable.path.replace('/', '_')}")
             slices = [self.slices[id(v)] for v in self.variables]
             index = {id(s): i for i, s in enumerate(slices)}
             recording = optimizer_sharding.recording_slots(optimizer.add_variable_from_reference, index, state.slots)
@@ -121,8 +121,8 @@ class SplitWeights:
                 keras_apply([g for g, _ in pairs], [s for _, s in pairs])
             else:
                 optimizer.iterations.assign_add(1)
-            # Variables the step gathered and never released (no gradient reached them).
-            self.release([v for v in self.variables if id(v) not in self.released and id(v) not in self.kept_whole])
+            if self.active:  # also those the step gathered and no gradient reached (never released)
+                self.release([v for v in self.variables if id(v) not in self.released and id(v) not in self.kept_whole])
             self.gather([v for v in self.variables if not self.active or id(v) in self.kept_whole], refresh=True)
 
         def save_own_variables(store: Any) -> None:
@@ -141,7 +141,7 @@ class SplitWeights:
             position = {key: j for j, key in enumerate(whole)}
             for mine, key in zip(optimizer.variables, optimizer_sharding.layout_of(optimizer.variables, state.slots)):
                 value = np.asarray(store[str(position[key])])
-                mine.assign(self._my_slice(value, int(np.prod(mine.shape))) if key[0] == "slot" else value)
+                mine.assign(self._my_share_of_array(value, int(np.prod(mine.shape))) if key[0] == "slot" else value)
             optimizer_sharding.note_loaded(state, store)
 
         override(optimizer, "build", build)
@@ -150,7 +150,8 @@ class SplitWeights:
         override(optimizer, "load_own_variables", load_own_variables)
         optimizer_sharding.attach_state(optimizer, state)
 
-    def _my_slice(self, whole: np.ndarray, length: int) -> np.ndarray:
+    def _my_share_of_array(self, whole: np.ndarray, length: int) -> np.ndarray:
+        """This process's slice of `length` of a whole value read from a file."""
         flat = np.zeros((length * self.size,), whole.dtype)
         flat[:whole.size] = whole.reshape(-1)
         return flat[self.rank * length:(self.rank + 1) * length]
