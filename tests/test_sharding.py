@@ -30,21 +30,18 @@ def results(out, processes):
 
 
 # Beyond the whole state's bytes, summed over the 2 ranks: each rank's own iteration count
-# and learning rate (8 bytes); and where each variable is split, both ranks' moments of the
-# last bias (1 weight): JAX's, which no axis splits over 2 devices, and PyTorch's slices,
-# padded to 2 of 1 weight each.
-OVERHEAD = {"optimizer": 8, "weights": 16}
-
-
-@pytest.mark.parametrize("keras_backend, configuration, levels, extra", [
+# and learning rate (8 bytes) where variables have owners; and where each variable is split,
+# both ranks' moments of the last bias (1 weight): JAX's, which no axis splits over 2 devices,
+# and PyTorch's slices, padded to 2 of 1 weight each (16).
+@pytest.mark.parametrize("keras_backend, configuration, overheads, extra", [
     # EarlyStopping reads and restores the weights in fit (split under "weights").
-    ("torch", "torchrun_2", ["optimizer", "weights"], ["--early-stopping", "--epochs", 3]),
+    ("torch", "torchrun_2", {"optimizer": 8, "weights": 16}, ["--early-stopping", "--epochs", 3]),
     # Several steps a call: the step's graph holds Horovod's operations inside a loop.
-    ("tensorflow", "horovod_2", ["optimizer"], ["--steps-per-execution", 3]),
-    ("jax", "launch_2", ["optimizer", "weights"], []),
+    ("tensorflow", "horovod_2", {"optimizer": 8}, ["--steps-per-execution", 3]),
+    ("jax", "launch_2", {"optimizer": 16, "weights": 16}, []),
 ])
 def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_half_the_state(
-        tmp_path, keras_backend, configuration, levels, extra):
+        tmp_path, keras_backend, configuration, overheads, extra):
     pytest.importorskip(keras_backend)
     common = ["--adam", "--global-clipnorm", "0.5", "--samples", 64, "--epochs", 2, *extra]
     code, output = train(tmp_path / "reference", "keras_dist_1", keras_backend, "--batch", 16, *common)
@@ -53,7 +50,7 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
     code, output = train(tmp_path / "unsharded", configuration, keras_backend, "--batch", 8, "--save", "every", *common)
     assert code == 0, output[-3000:]
     unsharded = results(tmp_path / "unsharded", 2)
-    for level in levels:
+    for level, overhead in overheads.items():
         code, output = train(tmp_path / level, configuration, keras_backend, "--batch", 8, "--shard", level,
                              "--save", "every", *common)
         assert code == 0, output[-3000:]
@@ -65,7 +62,7 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
         # under "weights", each variable (PyTorch's in flat slices).
         whole = unsharded[0]["optimizer_state_bytes"]
         shares = [r["optimizer_state_bytes"] for r in sharded]
-        assert all(share < whole for share in shares) and sum(shares) == whole + OVERHEAD[level], \
+        assert all(share < whole for share in shares) and sum(shares) == whole + overhead, \
             (level, shares, whole)
         # Under "weights", the 29 weights too while fit runs: 15 on each rank (the last bias on both).
         held = [r["weights_bytes_in_fit"] for r in sharded]
