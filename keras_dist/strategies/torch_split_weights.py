@@ -10,9 +10,9 @@ holds 1/N of the weights, 1/N of their gradients and 1/N of the optimizer's stat
 - forward: each layer that owns trainable variables gathers them whole as its `call`
   starts (one all-gather of the layer's slices) and releases them as it ends;
 - backward: a hook on the layer's outputs gathers them again before the layer's own
-  gradients are computed; as each variable's gradient is complete, a hook
-  reduce-scatters it into this process's slice of the averaged gradient and releases
-  the variable and its gradient;
+  gradients are computed; as each variable's gradient is complete, a hook releases
+  the variable, and once all of a layer's are, one reduce-scatter turns them into this
+  process's slices of the averaged gradients;
 - update: the optimizer applies the slices' gradients to the slices.
 
 Torch's autograd keeps the variable (a `Parameter`) itself for the backward pass, not a
@@ -70,7 +70,9 @@ class SplitWeights:
         self.kept_whole: set[int] = set()  # ids of variables read outside their layer's call
         self.released: set[int] = set()  # ids of variables whose data is released now
         self.gradients: dict[int, "torch.Tensor"] = {}  # id(variable) -> this step's reduced slice
-        self.units: dict[int, list[keras.Variable]] = {}  # id(layer) -> the split variables it owns
+        self.units: dict[int, list[keras.Variable]] = {}  # id(layer) -> the split variables it reads
+        self.unit_key: dict[int, int] = {}  # id(split variable) -> id(its layer)
+        self.pending: dict[int, list] = {}  # id(layer) -> its (variable, gradient)s complete, not yet reduced
         self.active = False  # the variables are split (inside fit)
         self._whole_depth = 0  # nested `whole` blocks: the outermost gathers and releases
         self._hooks: list = []
@@ -106,6 +108,8 @@ class SplitWeights:
 
         def apply(grads: list, trainable_variables: Any = None) -> None:
             variables = list(trainable_variables) if trainable_variables is not None else self.variables
+            for unit in [unit for unit in self.units if unit in self.pending]:  # layers some gradient missed
+                self._reduce_pending(unit)
             pairs = []
             for variable, grad in zip(variables, grads):
                 reduced = self.gradients.pop(id(variable), None)
@@ -186,10 +190,11 @@ class SplitWeights:
             return
         owned = _reading_layers(model)
         self.kept_whole = {id(v) for v in self.variables if v.regularizer is not None or id(v) not in owned}
-        self.units = {}
+        self.units, self.unit_key = {}, {}
         for variable in self.variables:
             if id(variable) not in self.kept_whole:
                 self.units.setdefault(id(owned[id(variable)]), []).append(variable)
+                self.unit_key[id(variable)] = id(owned[id(variable)])
         for layer in {id(layer): layer for layer in owned.values()}.values():
             _gathering_call(layer, self._torch)
             object.__setattr__(layer, _SPLIT, self)
@@ -215,6 +220,7 @@ class SplitWeights:
             hook.remove()
         self._hooks = []
         self.gradients.clear()
+        self.pending.clear()
         self.active = False
 
     @contextlib.contextmanager
@@ -291,27 +297,56 @@ class SplitWeights:
 
     def _reduced_slice(self, variable: keras.Variable, grad: "torch.Tensor") -> "torch.Tensor":
         """This process's slice of `grad` averaged over processes (collective)."""
+        return self._reduced_slices([(variable, grad)])[0]
+
+    def _reduced_slices(self, pairs: list) -> list:
+        """This process's slice of each gradient of `pairs` ((variable, gradient), one dtype)
+        averaged over processes, in one reduce-scatter (collective)."""
         torch = self._torch
         device = self.collectives.device
-        length = _slice_length(variable, self.size)
-        flat = torch.zeros((length * self.size,), dtype=grad.dtype, device=device)
-        flat[:grad.numel()] = grad.detach().reshape(-1)
-        out = torch.empty((length,), dtype=grad.dtype, device=device)
-        self.collectives.reduce_scatter_(out, flat, f"keras_dist.split_weights.gradient.{self.index[id(variable)]}")
-        return out.div_(self.size).to(grad.device)
+        lengths = [_slice_length(variable, self.size) for variable, _ in pairs]
+        # Rank-major: process r's slices of every gradient, one after another.
+        flat = torch.zeros((self.size, sum(lengths)), dtype=pairs[0][1].dtype, device=device)
+        start = 0
+        for (variable, grad), length in zip(pairs, lengths):
+            padded = torch.zeros((self.size * length,), dtype=grad.dtype, device=device)
+            padded[:grad.numel()] = grad.detach().reshape(-1)
+            flat[:, start:start + length] = padded.view(self.size, length)
+            start += length
+        out = torch.empty((sum(lengths),), dtype=flat.dtype, device=device)
+        self.collectives.reduce_scatter_(out, flat.reshape(-1),
+                                         f"keras_dist.split_weights.gradient.{self.index[id(pairs[0][0])]}.{len(pairs)}")
+        out.div_(self.size)
+        return [part.to(grad.device) for part, (_, grad) in zip(out.split(lengths), pairs)]
 
     def _gradient_ready(self, variable: keras.Variable) -> Any:
         def ready(parameter: "torch.Tensor") -> None:
             if not self.active or parameter.grad is None:
                 return
-            reduced = self._reduced_slice(variable, parameter.grad)
-            earlier = self.gradients.get(id(variable))  # a second backward in the same step
-            self.gradients[id(variable)] = reduced if earlier is None else earlier + reduced
-            parameter.grad = None
-            if id(variable) not in self.kept_whole:
-                self.release([variable])
+            grad, parameter.grad = parameter.grad, None
+            if id(variable) in self.kept_whole:
+                self._add_gradients([variable], self._reduced_slices([(variable, grad)]))
+                return
+            self.release([variable])
+            # A layer's gradients go in one reduce-scatter, once all of them are complete.
+            unit = self.unit_key[id(variable)]
+            waiting = self.pending.setdefault(unit, [])
+            waiting.append((variable, grad))
+            if len(waiting) == len(self.units[unit]):
+                self._reduce_pending(unit)
 
         return ready
+
+    def _reduce_pending(self, unit: int) -> None:
+        waiting = self.pending.pop(unit)
+        for dtype in sorted({grad.dtype for _, grad in waiting}, key=str):
+            pairs = [(variable, grad) for variable, grad in waiting if grad.dtype == dtype]
+            self._add_gradients([variable for variable, _ in pairs], self._reduced_slices(pairs))
+
+    def _add_gradients(self, variables: list, reduced: list) -> None:
+        for variable, part in zip(variables, reduced):
+            earlier = self.gradients.get(id(variable))  # a second backward in the same step
+            self.gradients[id(variable)] = part if earlier is None else earlier + part
 
 
 def _slice_length(variable: keras.Variable, size: int) -> int:
