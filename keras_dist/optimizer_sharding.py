@@ -142,10 +142,12 @@ def gathering_saves(model: keras.Model, replicas: Any) -> None:
             if state is None or not optimizer.built:
                 return _save(*args, **kwargs)
             try:
-                if not replicas.is_chief:
-                    for _ in state.gather():
-                        pass
-                return _save(*args, **kwargs)
+                # In fit (a callback's save), the weights too, where they are split.
+                with replicas.whole_weights(model):
+                    if not replicas.is_chief:
+                        for _ in state.gather():
+                            pass
+                    return _save(*args, **kwargs)
             except PeerFailure as failure:
                 raise KerasDistError(f"model.{method} gathers every process's share of the optimizer's state, but "
                                      f"{', '.join(failure.stopped) or 'a peer'} did not take part: call it on every "

@@ -167,6 +167,11 @@ class Replicas(abc.ABC):
         """Called on every process at fit's start once every process holds the chief's state
         (a restored backup included), before the first step."""
 
+    def whole_weights(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
+        """Context in which the model's weights are whole on every process, where the backend
+        splits them over processes while fit runs (collective: every process enters it)."""
+        return contextlib.nullcontext()
+
     def replicated_weights(self, weights: Sequence["keras.Variable"]) -> list:
         """Those of `weights` each process holds a copy of, which can differ across processes
         (not those split over them, of which there is one)."""

@@ -160,6 +160,22 @@ def test_gradient_accumulation_and_bfloat16_train_sharded_as_unsharded(tmp_path,
         np.testing.assert_allclose(sharded, unsharded, atol=1e-6)
 
 
+def test_split_weights_around_fits_as_unsharded(tmp_path):
+    """shard="weights" splits only inside fit: evaluate before any fit (shards of unequal
+    length), a callback's model.save on every process in fit, freeze and compile again."""
+    found = {}
+    for shard in ("none", "weights"):
+        code, output = run([BIN / "keras-dist", "launch", "-n", 2, WORKERS / "split_weights_lifecycle.py",
+                            tmp_path / f"{shard}.json", shard], 300, {"KERAS_BACKEND": "torch"})
+        assert code == 0 and "Traceback" not in output, output[-3000:]
+        found[shard] = json.loads((tmp_path / f"{shard}.json").read_text())
+    assert found["weights"]["evaluate"] == found["none"]["evaluate"]
+    np.testing.assert_allclose(found["weights"]["loss"], found["none"]["loss"], rtol=1e-6)
+    for key in ("saved_in_fit", "weights"):
+        for split, whole in zip(found["weights"][key], found["none"][key]):
+            np.testing.assert_allclose(split, whole, atol=1e-6, err_msg=key)
+
+
 # Loads two saved models in one plain process; both must hold the same weights and optimizer state.
 LOAD_BOTH = """
 import sys, keras, numpy as np

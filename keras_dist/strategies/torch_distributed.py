@@ -95,12 +95,15 @@ class TorchDistributedStrategy(Strategy):
         # Numbers optimizers in the order they are distributed, the same on every process:
         # their collectives' names (Horovod matches and caches operations by name).
         self._optimizer_numbers = itertools.count()
-        # id(optimizer) -> its SplitWeights (shard="weights"); the one split in the fit under way.
+        # id(optimizer) -> its SplitWeights (shard="weights"); the one split in the fit under way
+        # (or left split by a fit that failed, gathered at the next fit's start).
         self._split_weights = {}
         self._splitting = None
+        self.fitting = False
 
     # --- gradients --------------------------------------------------------------
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
+        self._split_weights.pop(id(getattr(model, "optimizer", None)), None)  # compiled again: its slices go
         for overlapped in self._overlapped.values():
             overlapped.remove()
         self._overlapped.clear()
@@ -139,7 +142,7 @@ class TorchDistributedStrategy(Strategy):
             if options.compression is not None or options.reduction != "mean":
                 raise KerasDistError("shard='weights' averages each gradient's slices in full precision: drop "
                                      "gradient_compression and gradient_reduction, or use shard='optimizer'")
-            self._split_weights[id(optimizer)] = SplitWeights(self, optimizer)
+            self._split_weights[id(optimizer)] = SplitWeights(self, optimizer, lambda: self.in_train_step)
             return
         if options.shard == "optimizer":
             optimizer_sharding.shard_state(
@@ -169,28 +172,35 @@ class TorchDistributedStrategy(Strategy):
     # --- shard="weights": split while fit runs ---------------------------------------
     def after_initial_sync(self, model: "keras.Model") -> None:
         split = self._split_weights.get(id(model.optimizer))
-        if split is not None and self.size > 1:
+        if split is not None and self.size > 1 and self.fitting:  # not for an evaluate before any fit
             split.split(model)
             self._splitting = split
 
     def run_loop(self, method: str, model: "keras.Model", keras_method: Callable[..., Any], arguments: dict) -> Any:
         if method != "fit":
             return keras_method(**arguments)
+        if self._splitting is not None:  # a fit that failed left it split: every process is here now
+            self._splitting.join()
+            self._splitting = None
         ended = False
         try:
-            result = keras_method(**arguments)
+            with set_while(self, "fitting", True):
+                result = keras_method(**arguments)
             ended = True
             return result
         finally:
-            if self._splitting is not None:
+            if self._splitting is not None and ended:
                 # Whole again for evaluate, predict and the script; not after a failure, whose
-                # peers may be gone (a gather would wait for them).
-                self._splitting.join(gather=ended)
+                # peers may be gone (a gather would wait for them): the next fit gathers it.
+                self._splitting.join()
                 self._splitting = None
+
+    def whole_weights(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
+        return self._splitting.whole() if self._splitting is not None else contextlib.nullcontext()
 
     def process_local_steps(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
         # Each process evaluates its own shard, in as many steps as it has: no per-layer gathers.
-        return self._splitting.whole() if self._splitting is not None else contextlib.nullcontext()
+        return self.whole_weights(model)
 
     def replicated_weights(self, weights: Sequence["keras.Variable"]) -> list:
         split = self._splitting
@@ -207,7 +217,7 @@ class TorchDistributedStrategy(Strategy):
         keras_save = keras_internals.save_method(callback)
 
         def save_whole(*args: Any, **kwargs: Any) -> Any:
-            with self._splitting.whole() if self._splitting is not None else contextlib.nullcontext():
+            with self.whole_weights(callback.model):
                 return keras_save(*args, **kwargs)
 
         override(callback, "_save_model", save_whole)

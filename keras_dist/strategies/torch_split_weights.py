@@ -29,7 +29,7 @@ whole, in the unsharded optimizer's order (`optimizer_sharding.whole_layout`).
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -56,12 +56,15 @@ class SplitWeights:
         strategy: the `TorchDistributedStrategy` (its collectives, rank and size).
         optimizer: the model's optimizer, not yet built; it is made to build and update
             the slices (`keras_dist.compile` calls this for `shard="weights"`).
+        in_train_step: whether a train step runs now (only its backward passes reduce).
     """
 
-    def __init__(self, strategy: "TorchDistributedStrategy", optimizer: keras.optimizers.Optimizer) -> None:
+    def __init__(self, strategy: "TorchDistributedStrategy", optimizer: keras.optimizers.Optimizer,
+                 in_train_step: Callable[[], bool]) -> None:
         import torch
 
         self._torch = torch
+        self.in_train_step = in_train_step
         self.collectives, self.rank, self.size = strategy.collectives, strategy.rank, strategy.size
         self.optimizer = optimizer
         self.variables: list[keras.Variable] = []  # the model's, as the optimizer was built on them
@@ -83,9 +86,17 @@ class SplitWeights:
     def _shard_optimizer(self) -> None:
         optimizer, state = self.optimizer, self.state
         optimizer_sharding.check_supported(optimizer)
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            raise KerasDistError(f"shard='weights' updates flat slices of each variable, which "
+                                 f"{type(optimizer).__name__} cannot (its update looks at a whole variable): use "
+                                 f"{', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}, or shard='optimizer'")
         if optimizer.clipnorm:
             raise KerasDistError("shard='weights' does not take clipnorm yet (each process holds a slice of each "
                                  "gradient): use global_clipnorm, or shard='optimizer'")
+        if optimizer.global_clipnorm and (optimizer.gradient_accumulation_steps or optimizer.loss_scale_factor):
+            raise KerasDistError("shard='weights' clips each step's gradients before the optimizer accumulates or "
+                                 "unscales them: drop global_clipnorm, or gradient_accumulation_steps and "
+                                 "loss_scale_factor")
         keras_build, keras_apply = optimizer.build, optimizer.apply
         keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
 
@@ -188,6 +199,9 @@ class SplitWeights:
         installs the layers' gathers and the gradients' reductions (at fit's start)."""
         if not self.variables or self.active:
             return
+        if model.jit_compile:
+            raise KerasDistError("shard='weights' replaces each variable's data around each layer's call, which a "
+                                 "compiled step (jit_compile=True) does not see: compile with jit_compile=False")
         owned = _reading_layers(model)
         self.kept_whole = {id(v) for v in self.variables if v.regularizer is not None or id(v) not in owned}
         self.units, self.unit_key = {}, {}
@@ -321,7 +335,8 @@ class SplitWeights:
 
     def _gradient_ready(self, variable: keras.Variable) -> Any:
         def ready(parameter: "torch.Tensor") -> None:
-            if not self.active or parameter.grad is None:
+            # A backward outside the train step (a callback's own, on some processes) keeps its gradient.
+            if not self.active or parameter.grad is None or not self.in_train_step():
                 return
             grad, parameter.grad = parameter.grad, None
             if id(variable) in self.kept_whole:
@@ -347,6 +362,14 @@ class SplitWeights:
         for variable, part in zip(variables, reduced):
             earlier = self.gradients.get(id(variable))  # a second backward in the same step
             self.gradients[id(variable)] = part if earlier is None else earlier + part
+
+
+# Optimizers whose update of each element reads only that element's gradient and state
+# (and the step count), so that updating flat slices equals updating whole variables.
+ELEMENTWISE_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW,
+                          keras.optimizers.Adamax, keras.optimizers.Nadam, keras.optimizers.RMSprop,
+                          keras.optimizers.Adagrad, keras.optimizers.Adadelta, keras.optimizers.Ftrl,
+                          keras.optimizers.Lion)
 
 
 def _slice_length(variable: keras.Variable, size: int) -> int:

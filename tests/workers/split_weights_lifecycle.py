@@ -1,0 +1,44 @@
+"""A script's life around fits, with and without shard="weights", on 2 processes.
+
+    python split_weights_lifecycle.py RESULT_JSON none|weights
+
+evaluate and predict before any fit (shards of unequal length), model.save from a callback
+on every process inside fit, then the transfer-learning recipe (freeze, compile again,
+fit) and evaluate; the chief writes the evaluations, the losses and the final weights.
+"""
+
+import json
+import sys
+
+import keras
+import numpy as np
+
+import keras_dist
+
+context = keras_dist.init()
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+shard = None if sys.argv[2] == "none" else sys.argv[2]
+keras_dist.compile(model, optimizer="adam", loss="mse", shard=shard)
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(64, 5)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
+before = model.evaluate(x[:21], y[:21], batch_size=5, verbose=0)  # 3 steps on rank 0, 2 on rank 1
+model.predict(x[:9], batch_size=4, verbose=0)
+
+
+class SaveInFit(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.save(sys.argv[1] + ".in-fit.keras")
+
+
+history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[SaveInFit()])
+model.layers[0].trainable = False
+keras_dist.compile(model, optimizer="adam", loss="mse", shard=shard)
+frozen = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+after = model.evaluate(x[:21], y[:21], batch_size=4, verbose=0)
+saved = keras.models.load_model(sys.argv[1] + ".in-fit.keras")
+if context.is_chief:
+    with open(sys.argv[1], "w") as f:
+        json.dump({"evaluate": [before, after], "loss": history.history["loss"] + frozen.history["loss"],
+                   "saved_in_fit": [w.tolist() for w in saved.get_weights()],
+                   "weights": [w.tolist() for w in model.get_weights()]}, f)
