@@ -143,8 +143,70 @@ def test_a_pipeline_that_batches_inside_a_function_falls_back_with_a_warning():
         assert shards(dataset, 2, pad=True) == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
 
 
+def _batched_constructions(directory):
+    """Every way of batching a dataset that Keras takes (issue 67), over 22 numbered elements."""
+    import keras
+    from PIL import Image
+
+    x, y = np.arange(44, dtype="float32").reshape(22, 2), np.arange(22, dtype="float32")
+    features, labels = tf.data.Dataset.from_tensor_slices(x).batch(4), tf.data.Dataset.from_tensor_slices(y).batch(4)
+    numbered = tf.data.Dataset.from_tensor_slices((x, y))
+    lengths = tf.data.Dataset.range(1, 23).map(lambda n: (tf.range(n), n))
+    for label in ("a", "b"):
+        os.makedirs(directory / "images" / label)
+        os.makedirs(directory / "texts" / label)
+        for i in range(5):
+            Image.fromarray(np.full((4, 4, 3), i * 10 + (label == "b"), np.uint8)).save(directory / "images" / label / f"{i}.png")
+            (directory / "texts" / label / f"{i}.txt").write_text(f"{label} {i}")
+    return {
+        "zip": tf.data.Dataset.zip((features, labels)),
+        "zip_prefetch_cache": tf.data.Dataset.zip((features, labels)).prefetch(16).cache(),
+        "concatenate": numbered.take(10).batch(4).concatenate(numbered.skip(10).batch(4)),
+        "map_filter_after_batch": numbered.batch(4).map(lambda a, b: (a * 2, b)).filter(
+            lambda a, b: tf.reduce_min(b) >= 0),
+        "dict": tf.data.Dataset.from_tensor_slices(({"a": x}, y)).batch(4),
+        "padded_batch": lengths.padded_batch(4),
+        "bucket_by_sequence_length": lengths.bucket_by_sequence_length(
+            lambda e, n: tf.cast(n, tf.int32), [8, 16], [4, 4, 4]),
+        "rebatch": numbered.batch(4).rebatch(2),
+        "timeseries_zip": tf.data.Dataset.zip((
+            keras.utils.timeseries_dataset_from_array(x, None, sequence_length=3, batch_size=4),
+            keras.utils.timeseries_dataset_from_array(y[2:], None, sequence_length=1, batch_size=4))).prefetch(2).cache(),
+        "timeseries_targets": keras.utils.timeseries_dataset_from_array(x, y, sequence_length=3, batch_size=4),
+        "image_dataset_from_directory": keras.utils.image_dataset_from_directory(
+            directory / "images", image_size=(4, 4), batch_size=3, shuffle=False),
+        "text_dataset_from_directory": keras.utils.text_dataset_from_directory(
+            directory / "texts", batch_size=3, shuffle=False),
+    }
+
+
+def _rows(dataset):
+    """Every element of a batched dataset, as a comparable tuple of its leaves' bytes (trailing
+    zeros dropped: `padded_batch` pads an element to its batch's longest)."""
+    rows = []
+    for batch in dataset.as_numpy_iterator():
+        leaves = [np.asarray(leaf) for leaf in tf.nest.flatten(batch)]
+        rows += [tuple(np.asarray(leaf[i]).tobytes().rstrip(b"\0") for leaf in leaves) for i in range(len(leaves[0]))]
+    return sorted(rows)
+
+
+def test_every_batched_construction_splits_into_shards_that_cover_it_once(tmp_path):
+    """Zips and concatenations of batched datasets, `timeseries_dataset_from_array`, bucketing
+    and the directory loaders are batched as Keras takes them; the shards of 2 and 3 processes
+    hold every element once, and padded ones end at the same step."""
+    for name, dataset in _batched_constructions(tmp_path).items():
+        whole = _rows(dataset)
+        for count in (2, 3):
+            parts = [tf_data.shard_dataset(dataset, count, r, pad=False)[0] for r in range(count)]
+            assert sorted(sum((_rows(part) for part in parts), [])) == whole, f"{name}, {count} shards"
+            padded = [tf_data.shard_dataset(dataset, count, r, pad=True)[0] for r in range(count)]
+            steps = {sum(1 for _ in part) for part in padded}
+            assert len(steps) == 1, f"{name}, {count} padded shards: steps {steps}"
+
+
 def test_unbatched_datasets_are_a_one_line_error():
-    for dataset in (tf.data.Dataset.range(4), tf.data.Dataset.from_tensor_slices(np.zeros((4, 8, 8, 3)))):
+    elements = tf.data.Dataset.from_tensor_slices(np.zeros((4, 8, 8, 3)))
+    for dataset in (tf.data.Dataset.range(4), elements, tf.data.Dataset.zip((elements, elements))):
         with pytest.raises(KerasDistError, match=r"call \.batch\(batch_size\)"):
             tf_data.shard_dataset(dataset, 2, 0, pad=True)
 

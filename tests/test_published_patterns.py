@@ -22,9 +22,9 @@ SCRIPT = WORKERS / "published_patterns.py"
 # Deterministic: N replicas at batch B end where one process at N*B does.
 EXACT = ["compile_twice", "custom_compile_two_optimizers", "custom_train_step", "custom_loss_and_metric",
          "sample_and_class_weight", "dict_inputs_two_outputs", "preprocessing_in_tf_data", "py_dataset",
-         "validation_split", "callbacks", "evaluate_before_fit", "save_and_load"]
+         "validation_split", "callbacks", "evaluate_before_fit", "save_and_load", "zipped_timeseries"]
 # Random augmentation, per-replica batch statistics, float16 rounding: workers agree only.
-AGREE = ["batchnorm_augmentation", "mixed_precision", "gan_without_call"]
+AGREE = ["batchnorm_augmentation", "mixed_precision", "gan_without_call", "batch_shapes"]
 # Shuffled: another order than one process's, but as much learned.
 LEARNS = ["alternating_labels"]
 PATTERNS = EXACT + AGREE + LEARNS + ["checkpoint_reload_and_callback_files"]
@@ -85,6 +85,17 @@ def test_pattern_trains_the_same_model_on_every_worker(results, configuration, p
     first, second = results[configuration][pattern]
     assert_close(second, first, f"{configuration} {pattern}", tolerance=0)
     assert all(np.isfinite(w).all() for w in first["weights"])
+
+
+@pytest.mark.parametrize("configuration", SYNCHRONOUS + ["ps_2"])
+def test_train_step_loss_and_metrics_see_the_static_shapes_of_one_plain_process(results, configuration):
+    """A batch's static rank and sizes as plain Keras gives them: a loss squeezing (None, 1)
+    labels had no rank on TensorFlow under 2 processes (issue 67); the batch's size is known
+    where every batch is full, as Keras's array adapter makes it."""
+    expected = results["plain_1"]["batch_shapes"][0]["shapes"]
+    assert expected == {"train_step": [[True, 6], [True, 1]], "loss": [True, 1], "metric": [True, 1]}
+    for rank, result in enumerate(results[configuration]["batch_shapes"]):
+        assert result.get("shapes") == expected, f"{configuration} rank {rank}: {result}"
 
 
 @pytest.mark.parametrize("configuration", SYNCHRONOUS)

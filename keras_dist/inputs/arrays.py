@@ -12,6 +12,7 @@ alone or nested in lists, tuples and dicts. Every rule here maps over the whole 
 
 import dataclasses
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -64,13 +65,16 @@ class ArraysKind(InterleavedOutputs):
         global permutation too: any order kept inside a chunk gives each shard a fixed stride.
         """
         plan, parts = replicas.input_plan, data.arrays
-        # Unshuffled, Keras's array adapter keeps its own order, which resumes on the same count.
-        if (not shuffle and not position.elastic) or (shuffle == "batch" and plan.num_shards == 1) \
+        # Unshuffled, Keras's array adapter keeps its own order, which resumes on the same count;
+        # but an engine that must know equal-step datasets (MultiWorkerMirrored: else its batches
+        # lose their static size) reads the rows from `EpochBatches`, which tells it.
+        keras_order = not shuffle and not position.elastic and plan.equal_step_datasets is None
+        if keras_order or (shuffle == "batch" and plan.num_shards == 1) \
                 or num_samples(parts) == 0:
             return None
         rows = EpochRows(parts, plan.num_shards, plan.shard_index, (data.batch_size or 32) * plan.batch_multiplier,
                          position, shuffle=bool(shuffle), class_weight=data.class_weight)
-        return ordered_share(EpochBatches(rows), data, position)
+        return ordered_share(EpochBatches(rows, plan.equal_step_datasets), data, position)
 
 
 def _dataset(parts: dict, batch_size: int | None) -> Any:
@@ -197,6 +201,13 @@ class EpochRows(keras.utils.PyDataset):
         # TensorFlow's target gives arrays for tf.data, not sliceables.
         return keras_internals.convert_to_sliceable(self.packed, None if self.backend == "tensorflow" else self.backend)
 
+    def full_batches(self) -> bool:
+        """Whether every batch holds `batch_size` rows, in a whole epoch and in the one a resume
+        starts inside: Keras's array adapter then gives its batches a static first dimension,
+        which model, loss and metric code reads (`tf.squeeze` of (None, 1) labels has no rank)."""
+        starts = {0, self.position.skip_samples}
+        return all(-(-(self.length - start) // self.num_shards) % self.batch_size == 0 for start in starts)
+
     def epoch_rows(self) -> np.ndarray:
         """This process's rows of the epoch under way, in order: batch k is rows k*B to (k+1)*B
         (as many batches as Keras's loop reads in it, `steps_after` where it starts)."""
@@ -232,8 +243,10 @@ class EpochBatches(keras_internals.data_adapter_class()):
     there too).
     """
 
-    def __init__(self, rows: EpochRows) -> None:
+    def __init__(self, rows: EpochRows, equal_step_datasets: "weakref.WeakSet | None" = None) -> None:
         self.rows = rows
+        # Every process's rows are padded to one length: its tf.data batches match the others'.
+        self.equal_step_datasets = equal_step_datasets
         self.adapter = keras_internals.get_data_adapter(rows)
 
     def _restored(self, batch: Any) -> Any:
@@ -258,9 +271,12 @@ class EpochBatches(keras_internals.data_adapter_class()):
         # each batch gathered in parallel. (Read from a `from_generator` instead, a small model's
         # step took 4.5 ms where Keras's own took 2.5, issue 58; from this, 2.5.)
         epoch = tf.data.Dataset.range(1).map(lambda _: tf.reshape(tf.numpy_function(rows.epoch_rows, [], tf.int64), [-1]))
-        indices = epoch.unbatch().batch(rows.batch_size)
+        indices = epoch.unbatch().batch(rows.batch_size, drop_remainder=rows.full_batches())
         batches = tf.data.Dataset.zip((indices, tf.data.Dataset.from_tensors(arrays).repeat()))
-        return batches.map(keras_internals.gather_batch, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+        dataset = batches.map(keras_internals.gather_batch, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+        if self.equal_step_datasets is not None:
+            self.equal_step_datasets.add(dataset)
+        return dataset
 
     @property
     def num_batches(self) -> int:

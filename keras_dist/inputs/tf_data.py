@@ -177,6 +177,10 @@ _BATCH_OPS = {"BatchDataset", "BatchDatasetV2", "PaddedBatchDataset", "PaddedBat
 _ELEMENTWISE_OPS = {"MapDataset", "ParallelMapDataset", "ParallelMapDatasetV2", "PrefetchDataset", "OptionsDataset",
                     "ModelDataset", "MaxIntraOpParallelismDataset", "ExperimentalMaxIntraOpParallelismDataset",
                     "PrivateThreadPoolDataset", "ExperimentalPrivateThreadPoolDataset"}
+# Ops that form batches of their own (bucket_by_sequence_length) and that merge datasets.
+_GROUPING_OPS = {"GroupByWindowDataset", "ExperimentalGroupByWindowDataset", "GroupByReducerDataset",
+                 "ExperimentalGroupByReducerDataset"}
+_MERGING_OPS = {"ZipDataset", "ConcatenateDataset"}
 _SHUFFLE_OPS = {"ShuffleDataset", "ShuffleDatasetV3"}  # inputs 2 and 3 are the seeds
 _CACHE_OPS = {"CacheDataset", "CacheDatasetV2"}  # input 1 is the file name ("" in memory)
 _READER_OPS = {"TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset", "FixedLengthRecordDataset",
@@ -226,18 +230,46 @@ class Pipeline:
         self.nodes = {node.name: node for node in self.graph.node}
         self.output = next(node for node in self.graph.node if node.op == "_Retval")
         self.chain = self._chain()  # source first
-        batches = [i for i, node in enumerate(self.chain) if node.op in _BATCH_OPS]
+        batches = [i for i, node in enumerate(self.chain) if node.op in _BATCH_OPS | _GROUPING_OPS]
         if not batches:
-            if any(node.op in _EXPANDING_OPS and not self._function_reads_files(node.attr["f"].func.name)
-                   or "Window" in node.op for node in self.chain):
+            if self._batched_before(self.chain[0]):
+                batches = [0]  # a zip or concatenation of batched datasets: its elements are batches
+            elif any(node.op in _EXPANDING_OPS and not self._function_reads_files(node.attr["f"].func.name)
+                     or "Window" in node.op for node in self.chain):
                 raise _Unrewritable("it batches inside a function")
-            raise _not_batched()
+            else:
+                raise _not_batched()
         self.first_batch = batches[0]
+        # Where batches form in a branch of a zip or in a bucketing op, elements cannot be
+        # split before them: whole batches are split interleaved instead (batch i to shard i
+        # mod N), which gives the N replicas of one step the batches one process at N x B reads.
+        self.splits_batches = self.chain[self.first_batch].op not in _BATCH_OPS
+
+    def _batched_before(self, node) -> bool:
+        """Whether each input of a zip or concatenation (`node`) gives batches, as Keras
+        takes them: each branch batches (or zips batched datasets) on its way to `node`."""
+        if node.op not in _MERGING_OPS:
+            return False
+        branches = [self.nodes[_node_name(i)] for i in node.input if not i.startswith("^")]
+        return all(self._branch_batches(branch) for branch in branches if _is_dataset(branch))
+
+    def _branch_batches(self, node) -> bool:
+        while True:
+            if node.op in _BATCH_OPS | _GROUPING_OPS:
+                return True
+            if node.op in _MERGING_OPS:
+                return self._batched_before(node)
+            inputs = [self.nodes[_node_name(i)] for i in node.input if not i.startswith("^")]
+            datasets = [n for n in inputs if _is_dataset(n)]
+            if not datasets:
+                return False
+            node = datasets[0]
 
     def steps_follow_elements(self) -> bool:
         """Whether equal element counts per shard give equal batches: nothing after the
         first batch drops, adds or regroups elements."""
-        return all(node.op in _ELEMENTWISE_OPS | _SHUFFLE_OPS | _CACHE_OPS for node in self.chain[self.first_batch + 1:])
+        return not self.splits_batches and all(node.op in _ELEMENTWISE_OPS | _SHUFFLE_OPS | _CACHE_OPS
+                                               for node in self.chain[self.first_batch + 1:])
 
     def _chain(self):
         chain = [self.nodes[_node_name(self.output.input[0])]]
@@ -251,6 +283,8 @@ class Pipeline:
     def sharded(self, num_shards: int, index: int, pad: bool, files: bool,
                 allgather: Callable[[Any], list] | None) -> tf.data.Dataset:
         """The dataset split into `num_shards`, shard `index` (see the module docstring)."""
+        if self.splits_batches:
+            return self._batches_sharded(num_shards, index, pad, allgather)
         split = self._element_split_point()
         file_source = self._file_source(num_shards) if files else None
         if file_source is not None:
@@ -264,6 +298,19 @@ class Pipeline:
             self._same_order_before(split, allgather)
             end = self._pad(split, -self._count(split) % num_shards) if pad else split
             self._insert_after(end, self._shard(num_shards, index, end))
+        return self.dataset()
+
+    def _batches_sharded(self, num_shards, index, pad, allgather):
+        """The batches split interleaved right where they form (before the element-wise
+        steps that follow), padded with the first batches to a multiple of N for training."""
+        split = self.chain[self.first_batch]
+        for node in self.chain[self.first_batch + 1:]:
+            if not _commutes_with_split(node, self._constant):
+                break
+            split = node
+        self._same_order_before(split, allgather)
+        end = self._pad(split, -self._count(split) % num_shards) if pad else split
+        self._insert_after(end, self._shard(num_shards, index, end))
         return self.dataset()
 
     def _same_order_before(self, split, allgather):

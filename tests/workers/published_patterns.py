@@ -20,7 +20,7 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
-from keras import ops
+from keras import ops, tree
 
 import keras_dist
 from pattern_runner import alternating_labels, checkpoint_reload_and_callback_files, compile_for, data_of, run_patterns
@@ -380,6 +380,71 @@ def pattern_gan_without_call():
     history = gan.fit(tf.data.Dataset.from_tensor_slices(x).batch(BATCH), epochs=2, verbose=0)
     return {"weights": [np.array(w) for w in discriminator.get_weights() + generator.get_weights()],
             "history": history.history}
+
+
+class SqueezedLabelsLoss(keras.losses.Loss):
+    """keras.io's supervised contrastive loss in small: it squeezes the labels and compares
+    each with every other, so it needs their static rank, as any code reading a batch's shape."""
+
+    def __init__(self, shapes, **kwargs):
+        super().__init__(**kwargs)
+        self.shapes = shapes
+
+    def __call__(self, labels, outputs, sample_weight=None):
+        self.shapes["loss"] = static_shape(labels)
+        labels = tf.squeeze(labels)
+        same = tf.cast(tf.equal(labels[:, None], labels[None, :]), "float32")  # needs a known rank
+        logits = tf.matmul(outputs, outputs, transpose_b=True)
+        return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(same / tf.reduce_sum(same, 1, keepdims=True),
+                                                                      logits))
+
+
+def shape_metric(shapes):
+    def label_mean(y_true, y_pred):
+        shapes["metric"] = static_shape(y_true)
+        return ops.mean(ops.cast(y_true, "float32"), axis=-1)
+    return keras.metrics.MeanMetricWrapper(label_mean, name="label_mean")
+
+
+def static_shape(tensor):
+    """A traced batch's shape as one plain process sees it, the batch's size as known or not."""
+    dims = list(tensor.shape)
+    return [dims[0] is not None, *dims[1:]]
+
+
+def pattern_batch_shapes():
+    """What train_step, the loss and the metrics see of a batch of arrays with (N, 1) labels:
+    the static shapes one plain process sees (a contrastive loss compares pairs within a
+    batch, so N replicas at B learn otherwise than one process at N*B: workers agree only)."""
+    shapes = {}
+
+    class Recording(keras.Sequential):
+        def train_step(self, data):
+            shapes["train_step"] = [static_shape(t) for t in tree.flatten(data)]
+            return super().train_step(data)
+
+    x, y = data()
+    labels = y[:, None].astype("uint8")  # as keras.datasets.cifar10 gives them
+    seeded()
+    model = Recording([keras.Input((6,)), keras.layers.Dense(4, name="embedding")])
+    compile(model, optimizer=keras.optimizers.SGD(0.1), loss=SqueezedLabelsLoss(shapes), metrics=[shape_metric(shapes)])
+    history = model.fit(x, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return {"weights": model.get_weights(), "history": history.history, "shapes": shapes}
+
+
+def pattern_zipped_timeseries():
+    """keras.io's traffic forecasting in small: inputs and targets each from
+    `timeseries_dataset_from_array` in batches, zipped, then prefetched and cached."""
+    series = np.sin(np.arange(199, dtype="float32") / 7)[:, None] * np.ones((1, 3), "float32")
+    inputs = keras.utils.timeseries_dataset_from_array(series[:-4], None, sequence_length=4, batch_size=BATCH)
+    targets = keras.utils.timeseries_dataset_from_array(series[4:, :1], None, sequence_length=1, batch_size=BATCH)
+    zipped = tf.data.Dataset.zip((inputs, targets)).prefetch(16).cache()
+    seeded()
+    model = keras.Sequential([keras.Input((4, 3)), keras.layers.Flatten(), keras.layers.Dense(1)])
+    compile(model, optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = model.fit(zipped, epochs=2, verbose=0)
+    return {"weights": model.get_weights(), "history": history.history,
+            "evaluate": model.evaluate(zipped, verbose=0, return_dict=True)}
 
 
 def pattern_alternating_labels():
