@@ -29,11 +29,36 @@
 # (figures: bench/results/2026-11-25-figures-from-comments.md).
 # PATCH_LEVEL names our patches in the cached wheel's path.
 #
+# MPI only where it works: Open MPI's runtime alone (Debian's openmpi-bin) brings mpicxx
+# without mpi.h, and Horovod's cmake then fails after a minute and a half. A small MPI program
+# compiled with mpicxx decides; otherwise Horovod is built with Gloo (horovodrun and
+# `keras-dist launch` run it; mpirun does not), said in one line. `--mpi-check` prints the
+# choice and exits.
+#
 # Env: PYTHON (default: python), HOROVOD_VERSION (default 0.28.1).
 # GPU: when nvcc and NCCL are found, the build uses NCCL for all-reduce (HOROVOD_GPU_OPERATIONS=NCCL).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 version=${HOROVOD_VERSION:-0.28.1}
+
+mpi_choice() {  # prints "mpi", or "gloo: why not MPI"
+  local compiler probe status=0
+  compiler=$(command -v mpicxx) || { echo "gloo: no MPI compiler (mpicxx) on PATH"; return; }
+  probe=$(mktemp -d)
+  printf '#include <mpi.h>\nint main(int argc, char **argv) { MPI_Init(&argc, &argv); return MPI_Finalize(); }\n' >"$probe/probe.cc"
+  "$compiler" "$probe/probe.cc" -o "$probe/probe" >"$probe/log" 2>&1 || status=$?
+  if [ "$status" -eq 0 ]; then
+    echo mpi
+  else
+    echo "gloo: $compiler cannot build an MPI program ($(grep -m1 -i 'error' "$probe/log" | sed 's/^[^ ]* //' || true)); for MPI install its headers (Debian/Ubuntu: apt-get install -y libopenmpi-dev) and build again"
+  fi
+  rm -rf "$probe"
+}
+mpi=$(mpi_choice)
+if [ "${1:-}" = --mpi-check ]; then
+  echo "$mpi"
+  exit 0
+fi
 
 tf_version=$("$PYTHON" -c 'import tensorflow as tf; print(tf.__version__)' 2>/dev/null) \
   || { echo "error: TensorFlow is not importable by $PYTHON; install tensorflow (or tensorflow-cpu) first" >&2; exit 1; }
@@ -45,7 +70,10 @@ fi
 torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null) || torch_version=""
 
 PATCH_LEVEL=2
-cache="${KERAS_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/keras_dist}/wheels/horovod-$version-tf$tf_version${torch_version:+-torch$torch_version}-$gpu-p$PATCH_LEVEL"
+cache_root="${KERAS_DIST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/keras_dist}"
+mpi_tag=""  # wheels built without MPI keep the names they had before MPI was probed
+[ "$mpi" = mpi ] && mpi_tag="-mpi"
+cache="$cache_root/wheels/horovod-$version-tf$tf_version${torch_version:+-torch$torch_version}-$gpu$mpi_tag-p$PATCH_LEVEL"
 if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
@@ -81,13 +109,23 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
   else
     export HOROVOD_WITHOUT_PYTORCH=1
   fi
-  command -v mpicxx >/dev/null || export HOROVOD_WITHOUT_MPI=1
+  if [ "$mpi" != mpi ]; then
+    export HOROVOD_WITHOUT_MPI=1
+    command -v mpicxx >/dev/null && echo "keras_dist: building Horovod with Gloo only, ${mpi#gloo: }" >&2
+  fi
   [ "$gpu" = cuda ] && export HOROVOD_GPU_OPERATIONS=NCCL
   export MAKEFLAGS="-j$(nproc)"
   echo "building Horovod $version against TensorFlow $tf_version${torch_version:+ and PyTorch $torch_version} ($gpu); this takes a few minutes once" >&2
   "$PYTHON" -m pip install -q packaging cloudpickle psutil pyyaml >/dev/null
-  "$PYTHON" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" "$src" >"$work/build.log" 2>&1 \
-    || { tail -n 40 "$work/build.log" >&2; echo "error: Horovod build failed (log above)" >&2; exit 1; }
+  # The build's output goes to a log kept beside the cache: a failure is one line naming its
+  # first error and the log, not pip's traceback.
+  mkdir -p "$cache_root"
+  log="$cache_root/horovod-build.log"
+  if ! "$PYTHON" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" "$src" >"$log" 2>&1; then
+    cause=$(grep -m1 -E 'CMake Error|error:|Error:' "$log" | sed 's/^ *//' | cut -c1-200 || true)
+    echo "error: Horovod's build failed: ${cause:-see the log}; full log: $log" >&2
+    exit 1
+  fi
   mkdir -p "$cache"
   cp "$work"/dist/horovod-*.whl "$cache"/
 fi
