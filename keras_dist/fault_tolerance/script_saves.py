@@ -8,11 +8,13 @@ compiled, those three methods are replaced on the model object (`install`):
 
 * the chief writes into a staging directory beside `p`, then renames what Keras wrote
   into place (shards first, the named file last): a reader sees the previous file or the
-  new one, never part of one. It then records, in `.keras_dist-saved-NAME` beside `p`,
-  how many of its saves of `p` are committed, and goes on: it waits for nobody, so a save
-  called by the chief alone (`if keras_dist.current().is_chief:`) costs what it did.
+  new one, never part of one. It then records on `p` itself, in an extended attribute
+  (`user.keras_dist.saved`), how many of its saves of `p` are committed and when, and goes
+  on: it waits for nobody, so a save called by the chief alone
+  (`if keras_dist.current().is_chief:`) costs what it did. Only where the file system keeps
+  no extended attributes does the record go in a file beside `p`, `.keras_dist-saved-NAME`.
 * every other process writes nothing: its k-th save of `p` returns once that record says
-  k or more (from this run: records older than this process are a run before). Its next
+  k or more (from this run: records older than this process are a run before's). Its next
   line may read `p`. Where the machines share no file system, the record never appears:
   after the wait bound (the step timeout's first value, longer while the chief's staging
   directory still grows) one line says so and names the fix.
@@ -42,11 +44,12 @@ from keras_dist.overrides import override
 if TYPE_CHECKING:
     from keras_dist.replicas import Replicas
 
-RECORD_PREFIX = ".keras_dist-saved-"
+RECORD_ATTRIBUTE = "user.keras_dist.saved"
+RECORD_PREFIX = ".keras_dist-saved-"  # where the file system keeps no extended attributes
 _POLL_SECONDS = 0.05
 # When this process started keras_dist's part: a record older than that is a run before's.
 _STARTED = time.time()
-# A record's modification time comes from the file system's clock, which may lag ours a little.
+# A record's time comes from the chief's clock, which may lag ours a little.
 _CLOCK_SLACK_SECONDS = 1.0
 
 
@@ -130,22 +133,33 @@ def _record_path(path: str) -> str:
 
 
 def _record(path: str, count: int) -> None:
-    """Says, beside `path`, that the chief's first `count` saves of it are committed."""
+    """Says, on `path` (else beside it), that the chief's first `count` saves of it are committed."""
+    value = json.dumps({"committed": count, "at": time.time()}).encode()
+    try:
+        os.setxattr(path, RECORD_ATTRIBUTE, value)
+        return
+    except (OSError, AttributeError):  # no extended attributes here (or no os.setxattr: not Linux)
+        pass
     record = _record_path(path)
     partial = f"{record}.{os.getpid()}"
-    with open(partial, "w") as f:
-        json.dump({"committed": count}, f)
+    with open(partial, "wb") as f:
+        f.write(value)
     publish(partial, record)
 
 
 def _committed(path: str) -> int:
     """The saves of `path` the chief committed in this run (0: none yet, or a record of a run before)."""
-    record = _record_path(path)
-    with contextlib.suppress(OSError, ValueError):
-        if os.stat(record).st_mtime >= _STARTED - _CLOCK_SLACK_SECONDS:
-            with open(record) as f:
-                return int(json.load(f)["committed"])
+    for read in (lambda: os.getxattr(path, RECORD_ATTRIBUTE), lambda: _read_bytes(_record_path(path))):
+        with contextlib.suppress(OSError, ValueError, KeyError, AttributeError):
+            record = json.loads(read())
+            if record["at"] >= _STARTED - _CLOCK_SLACK_SECONDS:
+                return int(record["committed"])
     return 0
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _staging_size(path: str) -> int:
