@@ -1,4 +1,4 @@
-"""What `keras_dist.training.UndistributedFitGuard` costs a PyTorch train step (eager: every
+"""What `keras_dist.compiled_elsewhere.CompiledElsewhereWatch` costs a PyTorch train step (eager: every
 layer call asks Keras's global distribution for an output layout).
 
     KERAS_BACKEND=torch python bench/guard_overhead.py [WINDOW_SECONDS] [WINDOWS]
@@ -15,7 +15,7 @@ import keras
 import numpy as np
 
 from keras_dist.strategies.single import SingleProcessStrategy
-from keras_dist.training import UndistributedFitGuard
+from keras_dist.compiled_elsewhere import CompiledElsewhereWatch
 
 window_seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 20.0
 windows = int(sys.argv[2]) if len(sys.argv) > 2 else 6
@@ -25,7 +25,7 @@ model.compile(optimizer="sgd", loss="mse")
 rng = np.random.default_rng(0)
 x, y = rng.random((32, 64), dtype=np.float32), rng.random((32, 1), dtype=np.float32)
 model.train_on_batch(x, y)
-guard = UndistributedFitGuard(SingleProcessStrategy())
+guard = CompiledElsewhereWatch(SingleProcessStrategy())
 per_step = {"plain": [], "guard": []}
 for _ in range(windows):
     for name, distribution in (("plain", None), ("guard", guard)):

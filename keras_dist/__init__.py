@@ -19,13 +19,15 @@ if not _startup.is_the_cli():
     from keras_dist.compile import compile  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["KerasDistError", "callbacks", "compile", "current", "distribute_dataset", "init", "notebook_launcher"]
+__all__ = ["KerasDistError", "callbacks", "compile", "current", "distribute_dataset", "init", "local",
+           "notebook_launcher"]
 
 # The public names, imported on first use (by scripts, `compile` at once): they import
 # Keras, which tools (`keras-dist launch`, `keras-dist info`) never need.
 _LAZY = {"callbacks": ("keras_dist.callbacks", None), "compile": ("keras_dist.compile", "compile"),
          "current": ("keras_dist.runtime", "current"), "init": ("keras_dist.runtime", "init"),
          "distribute_dataset": ("keras_dist.runtime", "distribute_dataset"),
+         "local": ("keras_dist.compiled_elsewhere", "local"),
          "notebook_launcher": ("keras_dist.notebook", "notebook_launcher")}
 
 

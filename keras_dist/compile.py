@@ -4,7 +4,7 @@ from typing import Any, Literal
 
 import keras
 
-from keras_dist import keras_internals, optimizer_hooks, optimizer_sharding, overrides, runtime, training
+from keras_dist import compiled_elsewhere, keras_internals, optimizer_hooks, optimizer_sharding, overrides, runtime, training
 from keras_dist.strategies.base import GradientOptions
 from keras_dist.errors import KerasDistError
 
@@ -72,7 +72,7 @@ def compile(
     overrides.restore(model)  # compiled before: start again from Keras's own methods
     strategy.prepare_model(model)
     kwargs = strategy.compile_arguments(kwargs)
-    with strategy.scope():
+    with strategy.scope(), compiled_elsewhere.compiling_here(model):
         model.compile(*args, **kwargs)
     options = GradientOptions(gradient_reduction, gradient_compression, shard if strategy.size > 1 else None)
     for optimizer in optimizer_hooks.optimizers_of(model):
@@ -84,6 +84,9 @@ def compile(
                 _scale_learning_rate(optimizer, strategy.num_replicas)
         strategy.distribute_optimizer(optimizer, options)
     training.attach(model, strategy, options)
+
+
+compiled_elsewhere.distribute_through(compile)
 
 
 def _compiled_with(model: keras.Model) -> dict:

@@ -13,6 +13,7 @@ TensorFlow backend (a JAX or PyTorch install has no TensorFlow). Differences bet
 Keras releases in that range are absorbed here, not at the call sites.
 """
 
+import functools
 from typing import Any
 
 # --- the TensorFlow trainer (keras.src.backend.tensorflow.trainer): imported only where used ---
@@ -68,6 +69,14 @@ def trainer_mixin() -> type:
     from keras.src.trainers import trainer
 
     return getattr(trainer, "Trainer", None) or trainer.BaseTrainer
+
+
+@functools.cache
+def compile_code() -> Any:
+    """The code object of Keras's own `compile` (the trainer mixin's, under its decorators), whose frame keras_dist.compiled_elsewhere finds on the stack while Keras creates a variable in it; not public."""
+    import inspect
+
+    return inspect.unwrap(trainer_mixin().compile).__code__
 
 
 def symbolic_build(model: Any, batch: Any) -> None:

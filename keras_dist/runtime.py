@@ -108,9 +108,9 @@ def init(backend: str | None = None, **options: Any) -> "Strategy":
         runtime = _runtime = dataclasses.replace(chosen, environment=environment)
     runtime.strategy = strategies.create(runtime.backend, runtime.environment, runtime.settings, **options)
     console.announce(runtime.strategy)
-    from keras_dist import training  # imports Keras, which `keras-dist` itself never does
+    from keras_dist import compiled_elsewhere  # imports Keras, which `keras-dist` itself never does
 
-    training.refuse_undistributed_fits(runtime.strategy)
+    compiled_elsewhere.watch(runtime.strategy)
     return runtime.strategy
 
 

@@ -15,13 +15,12 @@ import contextlib
 import inspect
 import itertools
 import logging
-import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_dist import inputs, keras_internals, optimizer_hooks, optimizer_sharding
+from keras_dist import inputs, optimizer_hooks, optimizer_sharding
 from keras_dist.errors import KerasDistError, first_line, is_out_of_memory
 from keras_dist.logs import flat_logs, metric_results
 from keras_dist.fault_tolerance import background_writes, resume, script_saves
@@ -305,83 +304,3 @@ def attach(model: keras.Model, strategy: "Strategy", gradient_options: "Gradient
     if gradient_options.shard is not None:
         optimizer_sharding.gathering_saves(model, strategy)
     return training
-
-
-class UndistributedFitGuard:
-    """Stops, in one line, the `fit` of a model that `keras_dist.compile` did not compile, in a
-    job of several processes: one compiled by `model.compile`, or by `keras.models.load_model`
-    from its file. Each process would train it alone, on all the data, and end with weights
-    no other process has, silently.
-
-    Keras has no hook at `fit`, and keras_dist patches no Keras class, so this object is set
-    as Keras's global distribution (`keras.distribution.set_distribution`): Keras's data
-    adapter asks whether the distribution spans several processes at the start of every
-    `fit`, `evaluate` and `predict` (`_is_multi_process`), and at that question this object
-    looks for the model whose `fit` runs. Everything else Keras asks of it leaves Keras as
-    with no distribution: its tf.data adapter hands it the dataset (kept as it is:
-    keras_dist splits inputs before Keras sees them), a layer call asks for an output
-    layout and, on JAX, a new variable for its layout (none). On JAX, Keras also places
-    each batch where this object says (on this process's first device, where variables
-    without a layout are) and compiles each step for its variables' own placement; while
-    a model keras_dist compiled runs `fit`, its strategy's distribution replaces this one.
-    `evaluate` and `predict` of such a model run as in one process (every process computes
-    the same, whole result), as does a sub-model cut out of the trained one.
-    """
-
-    auto_shard_dataset = False
-    batch_dim_name = "batch"
-
-    def __init__(self, strategy: "Strategy") -> None:
-        self.strategy = strategy
-        self._data_layouts: dict[int, keras.distribution.TensorLayout] = {}  # by the data's rank
-
-    @property
-    def _is_multi_process(self) -> bool:
-        model = _model_whose_fit_runs()
-        if model is not None and "_keras_dist" not in vars(model):
-            raise KerasDistError(
-                f"fit of {type(model).__name__} {model.name!r}, which model.compile or "
-                f"keras.models.load_model compiled, not keras_dist.compile: each of the {self.strategy.size} processes "
-                "would train it alone; call keras_dist.compile(model) before fit (without other arguments it keeps "
-                "the model's optimizer, its state and its compile settings)")
-        return False
-
-    def distribute_dataset(self, dataset: Any) -> Any:
-        return dataset
-
-    def get_tensor_layout(self, path: str) -> None:
-        return None
-
-    def get_variable_layout(self, variable: keras.Variable) -> None:
-        return None
-
-    def get_data_layout(self, data_shape: tuple) -> keras.distribution.TensorLayout:
-        # Asked for every leaf of every batch (`train_on_batch`): one layout per rank, made once.
-        rank = len(data_shape)
-        if rank not in self._data_layouts:
-            import jax
-
-            device = keras.distribution.DeviceMesh((1,), [self.batch_dim_name], [jax.local_devices()[0]])
-            self._data_layouts[rank] = keras.distribution.TensorLayout([self.batch_dim_name] + [None] * (rank - 1),
-                                                                        device)
-        return self._data_layouts[rank]
-
-
-def _model_whose_fit_runs() -> keras.Model | None:
-    """The model whose Keras `fit` is on the stack (the innermost), if any."""
-    trainer = keras_internals.trainer_mixin()
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "fit":
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, trainer):
-                return owner
-        frame = frame.f_back
-    return None
-
-
-def refuse_undistributed_fits(strategy: "Strategy") -> None:
-    """Sets `UndistributedFitGuard` as Keras's distribution in a job of several processes
-    whose Keras loops keras_dist runs."""
-    if strategy.size > 1 and strategy.runs_keras_loops and keras.distribution.distribution() is None:
-        keras.distribution.set_distribution(UndistributedFitGuard(strategy))

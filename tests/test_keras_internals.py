@@ -328,20 +328,22 @@ def test_get_data_adapter():
 
 
 def test_keras_asks_the_global_distribution_at_every_fit():
-    """`keras_dist.training.UndistributedFitGuard` is Keras's global distribution in a job of several
-    processes: Keras's data adapter asks it `_is_multi_process` at every fit, evaluate and predict, and
-    what else Keras reads of it (a dataset, layouts; on JAX a batch's placement) leaves Keras as it is."""
+    """`keras_dist.compiled_elsewhere.CompiledElsewhereWatch` is Keras's global distribution in a job
+    of several processes: Keras's data adapter asks it `_is_multi_process` at every fit, evaluate and
+    predict, and what else Keras reads of it (a dataset, layouts; on JAX a batch's placement) leaves
+    Keras as it is."""
+    from keras_dist.compiled_elsewhere import CompiledElsewhereWatch
     from keras_dist.errors import KerasDistError
     from keras_dist.strategies.single import SingleProcessStrategy
-    from keras_dist.training import UndistributedFitGuard
 
     x = np.arange(8, dtype="float32").reshape(4, 2)
-    keras.distribution.set_distribution(UndistributedFitGuard(SingleProcessStrategy()))
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")  # before the watch: a compile it did not see
+    keras.distribution.set_distribution(CompiledElsewhereWatch(SingleProcessStrategy()))
     try:
         with canary("the global distribution's _is_multi_process, read by get_data_adapter",
-                    "keras_dist.training.UndistributedFitGuard stops the fit of a model keras_dist did not compile"):
-            model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])  # variables made under it
-            model.compile(optimizer="sgd", loss="mse")
+                    "keras_dist.compiled_elsewhere.CompiledElsewhereWatch stops the fit of a model compiled where "
+                    "keras_dist could not see it"):
             with pytest.raises(KerasDistError, match=r"keras_dist\.compile\(model\)"):
                 model.fit(x, x[:, :1], verbose=0)
             assert model.predict(x, verbose=0).shape == (4, 1)
@@ -352,6 +354,50 @@ def test_keras_asks_the_global_distribution_at_every_fit():
             model.evaluate(tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(2), verbose=0)
     finally:
         keras.distribution.set_distribution(None)
+
+
+def test_compile_code():
+    """Keras creates variables inside its own `compile` (its loss tracker's), whose frame
+    `keras_dist.compiled_elsewhere` finds on the stack: on JAX where Keras asks the global
+    distribution for a variable's layout, on TensorFlow in the thread's variable creators."""
+    from keras_dist import compiled_elsewhere
+
+    class Subclass(keras.Sequential):
+        def compile(self, rate):
+            super().compile(optimizer=keras.optimizers.SGD(rate), loss="mse")
+
+    seen = []
+
+    def note_frame():
+        frame = compiled_elsewhere._keras_compile_frame()
+        if frame is not None and frame.f_locals.get("self") is model:
+            outermost, keras_own = compiled_elsewhere._outermost_compile(frame, model)
+            seen.append((compiled_elsewhere._call_arguments(outermost), keras_own))
+
+    with canary("keras.src.trainers.trainer.Trainer.compile, creating variables in its frame",
+                "keras_dist.compiled_elsewhere distributes models compiled without keras_dist.compile"):
+        model = Subclass([keras.Input((2,)), keras.layers.Dense(1)])
+        if keras.backend.backend() == "jax":
+            watch = compiled_elsewhere.CompiledElsewhereWatch(None)
+            watch.get_variable_layout = lambda variable: note_frame()
+            keras.distribution.set_distribution(watch)
+            try:
+                model.compile(0.1)
+            finally:
+                keras.distribution.set_distribution(None)
+        elif keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            def creator(next_creator, **kwargs):
+                note_frame()
+                return next_creator(**kwargs)
+
+            with tf.variable_creator_scope(creator):
+                model.compile(0.1)
+        else:
+            pytest.skip("PyTorch calls nothing of keras_dist's while Keras compiles")
+        # The outermost compile of the model on the stack is the subclass's, with its own arguments.
+        assert seen and seen[-1] == (((), {"rate": 0.1}), False), seen
 
 
 def test_data_adapter_class():

@@ -348,7 +348,7 @@ class JaxDataParallelStrategy(Strategy):
         if self.num_replicas == 1 or keras.distribution.distribution() is self.distribution:
             yield
             return
-        idle = keras.distribution.distribution()  # `training.UndistributedFitGuard`, or none
+        idle = keras.distribution.distribution()  # `compiled_elsewhere.CompiledElsewhereWatch`, or none
         keras.distribution.set_distribution(self.distribution)
         try:
             _replicate(_variables_of(model))

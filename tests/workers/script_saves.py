@@ -4,9 +4,11 @@
 
 Every process: fit, then `model.save(p)` and `keras.models.load_model(p)` at once, `save_weights`
 then `load_weights`, 20 save-then-load rounds of a changed bias, the chief alone saving (nobody
-waits), a sub-model cut out of the trained one predicting, the loaded model's `fit` (refused in
-one line where keras_dist can tell, in a job of several processes) and the loaded model
-recompiled by `keras_dist.compile(model)` trained 2 epochs. What each process wrote under OUT
+waits), a sub-model cut out of the trained one predicting, the loaded model's `fit` with no
+`keras_dist.compile` (distributed, or refused in one line on PyTorch), another loaded model
+trained 2 epochs, evaluated, predicting and saving its weights, a teacher compiled by
+`model.compile` and a subclass with a `compile` of its own trained 2 epochs, and a model kept
+to each process by `keras_dist.local`. What each process wrote under OUT
 is audited as it writes: the files Python opens for writing there (an audit hook), and the
 bytes the process wrote in all (`/proc/self/io`, which sees HDF5's writes from C too). Writes
 `OUT/report.RANK.json`.
@@ -102,10 +104,53 @@ try:
 except KerasDistError as error:
     report["loaded_fit"] = str(error)
 
+# A loaded model trained as it is, as TensorFlow's multi-worker tutorial does (issue 67); on
+# PyTorch keras_dist cannot see a compile outside it, so there the script compiles it again.
 retrained = keras.models.load_model(path)
-keras_dist.compile(retrained)
+if keras.backend.backend() == "torch":
+    keras_dist.compile(retrained)
 retrained.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
 report["retrained_weights"] = [w.tolist() for w in retrained.get_weights()]
+report["retrained_evaluate"] = retrained.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+report["retrained_predict"] = np.asarray(retrained.predict(x[:7], batch_size=BATCH, verbose=0)).tolist()
+retrained.save_weights(os.path.join(OUT, "retrained.weights.h5"))
+
+
+class Scaled(keras.Model):
+    """A subclass whose own `compile` takes its own arguments and calls `super().compile()`."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.dense(inputs) * self.scale
+
+    def compile(self, learning_rate, scale):
+        super().compile(optimizer=keras.optimizers.SGD(learning_rate),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        self.scale = scale
+
+
+# A teacher compiled by model.compile beside the student keras_dist compiled, and the subclass.
+keras.utils.set_random_seed(4)
+teacher, scaled = make_model(), Scaled()
+if keras.backend.backend() != "torch":
+    teacher.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    scaled.compile(0.1, scale=0.5)
+else:
+    keras_dist.compile(teacher, optimizer=keras.optimizers.SGD(0.05),
+                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    keras_dist.compile(scaled, 0.1, scale=0.5)
+for name, other in (("teacher", teacher), ("scaled", scaled)):
+    other.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    report[f"{name}_weights"] = [w.tolist() for w in other.get_weights()]
+
+# keras_dist.local(model): each process trains its own, on the data it passes.
+own = keras_dist.local(make_model())
+own.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+own.fit(x[strategy.rank::2], y[strategy.rank::2], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+report["local_weights"] = [w.tolist() for w in own.get_weights()]
 with open(os.path.join(OUT, f"report.{strategy.rank}.json"), "w") as f:
     json.dump(report, f)
 print("done", strategy.rank, flush=True)
