@@ -5,6 +5,7 @@ map ran on. Each worker must preprocess only its share, and together the workers
 cover the input once (plus fewer than N padding elements when the length is odd).
 """
 
+import importlib.util
 import json
 import os
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from runner import WORKERS, horovodrun
+from runner import BIN, WORKERS, horovodrun, rotated, run
 
 import runner
 
@@ -20,6 +21,9 @@ from keras_dist.inputs import py_dataset, tf_data  # noqa: E402
 from keras_dist.errors import KerasDistError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
+_spec = importlib.util.spec_from_file_location("batched_datasets", WORKERS / "batched_datasets.py")
+batched_datasets = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(batched_datasets)
 FILE_SIZES = [32, 32, 32, 32]  # equal files: file shards need no padding
 
 
@@ -143,43 +147,6 @@ def test_a_pipeline_that_batches_inside_a_function_falls_back_with_a_warning():
         assert shards(dataset, 2, pad=True) == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
 
 
-def _batched_constructions(directory):
-    """Every way of batching a dataset that Keras takes (issue 67), over 22 numbered elements."""
-    import keras
-    from PIL import Image
-
-    x, y = np.arange(44, dtype="float32").reshape(22, 2), np.arange(22, dtype="float32")
-    features, labels = tf.data.Dataset.from_tensor_slices(x).batch(4), tf.data.Dataset.from_tensor_slices(y).batch(4)
-    numbered = tf.data.Dataset.from_tensor_slices((x, y))
-    lengths = tf.data.Dataset.range(1, 23).map(lambda n: (tf.range(n), n))
-    for label in ("a", "b"):
-        os.makedirs(directory / "images" / label)
-        os.makedirs(directory / "texts" / label)
-        for i in range(5):
-            Image.fromarray(np.full((4, 4, 3), i * 10 + (label == "b"), np.uint8)).save(directory / "images" / label / f"{i}.png")
-            (directory / "texts" / label / f"{i}.txt").write_text(f"{label} {i}")
-    return {
-        "zip": tf.data.Dataset.zip((features, labels)),
-        "zip_prefetch_cache": tf.data.Dataset.zip((features, labels)).prefetch(16).cache(),
-        "concatenate": numbered.take(10).batch(4).concatenate(numbered.skip(10).batch(4)),
-        "map_filter_after_batch": numbered.batch(4).map(lambda a, b: (a * 2, b)).filter(
-            lambda a, b: tf.reduce_min(b) >= 0),
-        "dict": tf.data.Dataset.from_tensor_slices(({"a": x}, y)).batch(4),
-        "padded_batch": lengths.padded_batch(4),
-        "bucket_by_sequence_length": lengths.bucket_by_sequence_length(
-            lambda e, n: tf.cast(n, tf.int32), [8, 16], [4, 4, 4]),
-        "rebatch": numbered.batch(4).rebatch(2),
-        "timeseries_zip": tf.data.Dataset.zip((
-            keras.utils.timeseries_dataset_from_array(x, None, sequence_length=3, batch_size=4),
-            keras.utils.timeseries_dataset_from_array(y[2:], None, sequence_length=1, batch_size=4))).prefetch(2).cache(),
-        "timeseries_targets": keras.utils.timeseries_dataset_from_array(x, y, sequence_length=3, batch_size=4),
-        "image_dataset_from_directory": keras.utils.image_dataset_from_directory(
-            directory / "images", image_size=(4, 4), batch_size=3, shuffle=False),
-        "text_dataset_from_directory": keras.utils.text_dataset_from_directory(
-            directory / "texts", batch_size=3, shuffle=False),
-    }
-
-
 def _rows(dataset):
     """Every element of a batched dataset, as a comparable tuple of its leaves' bytes (trailing
     zeros dropped: `padded_batch` pads an element to its batch's longest)."""
@@ -194,7 +161,7 @@ def test_every_batched_construction_splits_into_shards_that_cover_it_once(tmp_pa
     """Zips and concatenations of batched datasets, `timeseries_dataset_from_array`, bucketing
     and the directory loaders are batched as Keras takes them; the shards of 2 and 3 processes
     hold every element once, and padded ones end at the same step."""
-    for name, dataset in _batched_constructions(tmp_path).items():
+    for name, dataset in batched_datasets.constructions(tmp_path).items():
         whole = _rows(dataset)
         for count in (2, 3):
             parts = [tf_data.shard_dataset(dataset, count, r, pad=False)[0] for r in range(count)]
@@ -306,3 +273,24 @@ def test_py_datasets_split_by_batch_index_with_equal_steps():
 def test_py_datasets_for_predict_split_into_consecutive_runs_in_rank_order():
     shards = [_served(py_dataset.ShardedPyDataset(_Numbered(7), 2, r, pad=False, contiguous=True)) for r in range(2)]
     assert shards == [[[0], [1], [2], [3]], [[4], [5], [6], []]]
+
+
+@pytest.mark.parametrize("keras_backend", rotated(["tensorflow", "jax", "torch"], "tensorflow",
+                                                   "KERAS_DIST_INPUT_MATRIX"))
+def test_every_batched_construction_fits_under_two_processes(tmp_path, keras_backend):
+    """Each construction through `fit` under `keras-dist launch -n 2` (Horovod on TensorFlow):
+    both ranks run the steps of one process at twice the batch and end with the same weights.
+    CI runs TensorFlow's; KERAS_DIST_INPUT_MATRIX=1 runs JAX's and PyTorch's too."""
+    pytest.importorskip(keras_backend)
+    code, output = run([BIN / "keras-dist", "launch", "-n", 2, WORKERS / "batched_datasets.py", tmp_path], 400,
+                       {"KERAS_BACKEND": keras_backend})
+    assert code == 0, output[-4000:]
+    ranks = [json.loads((tmp_path / f"batched.{rank}.json").read_text()) for rank in range(2)]
+    steps = {name: sum(1 for _ in dataset) for name, dataset in
+             batched_datasets.constructions(tmp_path / "data", batch=8).items()}
+    assert set(ranks[0]) == set(steps)
+    for name, count in steps.items():
+        first, second = ranks[0][name], ranks[1][name]
+        assert first["steps"] == second["steps"] == [count] * 2, (name, count, first["steps"], second["steps"])
+        assert first["weights"] == second["weights"] and first["loss"] == second["loss"], name
+        assert all(np.isfinite(first["loss"])), name

@@ -29,6 +29,7 @@ example is counted exactly once; prediction never shards files, so its outputs c
 in input order.
 """
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -228,22 +229,55 @@ class Pipeline:
         self.element_spec = dataset.element_spec
         self.graph = dataset_graph(dataset)
         self.nodes = {node.name: node for node in self.graph.node}
+        self._own_memory_caches()
         self.output = next(node for node in self.graph.node if node.op == "_Retval")
-        self.chain = self._chain()  # source first
+        self.chain = self._chain(self.nodes[_node_name(self.output.input[0])])  # source first
+        # A zip or concatenation of datasets that each batch in a chain of their own: each
+        # chain is split before its batch, as one dataset is (`_branches_sharded`).
+        self.branches: list[Pipeline] = []
         batches = [i for i, node in enumerate(self.chain) if node.op in _BATCH_OPS | _GROUPING_OPS]
         if not batches:
             if self._batched_before(self.chain[0]):
                 batches = [0]  # a zip or concatenation of batched datasets: its elements are batches
+                self.branches = self._branches(self.chain[0])
             elif any(node.op in _EXPANDING_OPS and not self._function_reads_files(node.attr["f"].func.name)
                      or "Window" in node.op for node in self.chain):
                 raise _Unrewritable("it batches inside a function")
             else:
                 raise _not_batched()
         self.first_batch = batches[0]
-        # Where batches form in a branch of a zip or in a bucketing op, elements cannot be
-        # split before them: whole batches are split interleaved instead (batch i to shard i
-        # mod N), which gives the N replicas of one step the batches one process at N x B reads.
-        self.splits_batches = self.chain[self.first_batch].op not in _BATCH_OPS
+        # Where batches form in a bucketing op, or in branches that do not each batch in a
+        # chain, elements cannot be split before them: whole batches are split interleaved
+        # instead (batch i to shard i mod N), which gives the N replicas of one step the
+        # batches one process at N x B reads.
+        self.splits_batches = self.chain[self.first_batch].op not in _BATCH_OPS and not self.branches
+
+    def _own_memory_caches(self):
+        """Gives this rewrite caches of its own. An in-memory cache's resource is serialized
+        as a handle to the script's one: every rewrite of the dataset in this process (fit's
+        shard, then evaluate's) read what the first filled. The first version of the op keeps
+        its memory in the dataset."""
+        for node in self.graph.node:
+            if node.op == "CacheDatasetV2" and self._constant(node, 1) == b"":
+                node.op = "CacheDataset"
+                del node.input[2:]
+
+    def _branches(self, merge) -> list["Pipeline"]:
+        """The chains of a zip's or concatenation's inputs, each as a pipeline of the same graph
+        (none where one of them batches otherwise than in its own chain)."""
+        branches = []
+        for name in merge.input:
+            node = self.nodes[_node_name(name)]
+            if name.startswith("^") or not _is_dataset(node):
+                continue
+            branch = copy.copy(self)
+            branch.chain = self._chain(node)
+            batches = [i for i, n in enumerate(branch.chain) if n.op in _BATCH_OPS]
+            if not batches:
+                return []
+            branch.first_batch, branch.branches, branch.splits_batches = batches[0], [], False
+            branches.append(branch)
+        return branches
 
     def _batched_before(self, node) -> bool:
         """Whether each input of a zip or concatenation (`node`) gives batches, as Keras
@@ -271,8 +305,9 @@ class Pipeline:
         return not self.splits_batches and all(node.op in _ELEMENTWISE_OPS | _SHUFFLE_OPS | _CACHE_OPS
                                                for node in self.chain[self.first_batch + 1:])
 
-    def _chain(self):
-        chain = [self.nodes[_node_name(self.output.input[0])]]
+    def _chain(self, end):
+        """The ops from a source (a file list, a zip...) to `end`, each reading the one before."""
+        chain = [end]
         while True:
             inputs = [self.nodes[_node_name(i)] for i in chain[-1].input if not i.startswith("^")]
             datasets = [node for node in inputs if _is_dataset(node)]
@@ -285,6 +320,8 @@ class Pipeline:
         """The dataset split into `num_shards`, shard `index` (see the module docstring)."""
         if self.splits_batches:
             return self._batches_sharded(num_shards, index, pad, allgather)
+        if self.branches:
+            return self._branches_sharded(num_shards, index, pad, allgather)
         split = self._element_split_point()
         file_source = self._file_source(num_shards) if files else None
         if file_source is not None:
@@ -294,10 +331,31 @@ class Pipeline:
                 counts = allgather(count) if allgather else [count] * num_shards
                 self._pad(split, max(counts) - counts[index])
         else:
-            split = self._shuffle_before_split(split)
-            self._same_order_before(split, allgather)
-            end = self._pad(split, -self._count(split) % num_shards) if pad else split
-            self._insert_after(end, self._shard(num_shards, index, end))
+            self._elements_sharded(num_shards, index, pad, allgather)
+        return self.dataset()
+
+    def _elements_sharded(self, num_shards, index, pad, allgather, length=None):
+        """Splits the elements interleaved before the run of element-wise steps that leads to
+        the first batch; the first `length` of them only, if given."""
+        split = self._shuffle_before_split(self._element_split_point())
+        self._same_order_before(split, allgather)
+        count = self._count(split)
+        end = split
+        if length is not None and count > length:
+            end = self._take(end, length)
+            count = length
+        end = self._pad(end, -count % num_shards) if pad else end
+        self._insert_after(end, self._shard(num_shards, index, end))
+
+    def _branches_sharded(self, num_shards, index, pad, allgather):
+        """Each input of the zip (or concatenation) split before its batch, element i to shard
+        i mod N in every one: a zip's pairs stay pairs. A zip's inputs are cut to the shortest's
+        elements first, so that padding pairs elements of the same place too."""
+        length = None
+        if self.chain[0].op == "ZipDataset":
+            length = min(branch._count(branch._element_split_point()) for branch in self.branches)
+        for branch in self.branches:
+            branch._elements_sharded(num_shards, index, pad, allgather, length)
         return self.dataset()
 
     def _batches_sharded(self, num_shards, index, pad, allgather):
@@ -423,6 +481,12 @@ class Pipeline:
     def _shard(self, num_shards, index, after):
         return self._add("ShardDataset", [after.name, self._const(num_shards), self._const(index)], after,
                          require_non_empty=False)
+
+    def _take(self, after, count):
+        """Keeps the first `count` elements of `after`; returns the chain's new node."""
+        head = self._add("TakeDataset", [after.name, self._const(count)], after)
+        self._insert_after(after, head)
+        return head
 
     def _pad(self, after, count):
         """Appends the first `count` elements of `after` to it; returns the chain's new node."""
