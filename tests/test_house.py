@@ -104,15 +104,10 @@ def imports(tree: ast.Module, type_checking: bool = False) -> list[tuple[str, in
     return found
 
 
-def test_the_rooms_import_each_other_without_a_circle_outside_type_checking():
-    edges: dict[str, dict[str, str]] = {}
-    for path, tree in modules().items():
-        for dotted, line in imports(tree):
-            target = room_of_module(dotted)
-            if target and target != room(path):
-                edges.setdefault(room(path), {}).setdefault(target, f"{path}:{line}")
-    # A circle is a strongly connected set of two rooms or more (Tarjan's algorithm).
-    order, low, stack, circles, counter = {}, {}, [], [], itertools.count()
+def circles(edges: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Each circle of the graph `edges` ({node: {target: where}}): a strongly connected set of
+    two nodes or more (Tarjan's algorithm), described by its edges."""
+    order, low, stack, found, counter = {}, {}, [], [], itertools.count()
 
     def visit(node):
         order[node] = low[node] = next(counter)
@@ -128,14 +123,46 @@ def test_the_rooms_import_each_other_without_a_circle_outside_type_checking():
             while not members or members[-1] != node:
                 members.append(stack.pop())
             if len(members) > 1:
-                circles.append(sorted(members))
+                found.append(sorted(members))
 
     for node in sorted(edges):
         if node not in order:
             visit(node)
-    described = [[f"{a} -> {b} ({edges[a][b]})" for a in circle for b in circle if b in edges.get(a, {})]
-                 for circle in circles]
-    assert described == []
+    return [[f"{a} -> {b} ({edges[a][b]})" for a in circle for b in circle if b in edges.get(a, {})]
+            for circle in found]
+
+
+def test_the_rooms_import_each_other_without_a_circle_outside_type_checking():
+    edges: dict[str, dict[str, str]] = {}
+    for path, tree in modules().items():
+        for dotted, line in imports(tree):
+            target = room_of_module(dotted)
+            if target and target != room(path):
+                edges.setdefault(room(path), {}).setdefault(target, f"{path}:{line}")
+    assert circles(edges) == []
+
+
+def module_path(dotted: str) -> str | None:
+    """The file of the package's module `dotted` names (or of the module a name is imported from)."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        for suffix in (".py", "/__init__.py"):
+            path = "/".join(parts[:end]) + suffix
+            if (ROOT / path).exists():
+                return path
+    return None
+
+
+def test_the_modules_of_a_folder_import_each_other_without_a_circle_annotations_included():
+    # The rooms' test sees a folder as one: `fault_tolerance/atomic_writes.py` and `resume.py`
+    # imported each other (one of them at run time, inside a function) unseen (issue 64).
+    edges: dict[str, dict[str, str]] = {}
+    for path, tree in modules().items():
+        for dotted, line in imports(tree, type_checking=True):
+            target = module_path(dotted)
+            if target and target != path and room(target) == room(path) and room(path).endswith("/"):
+                edges.setdefault(path, {}).setdefault(target, f"{path}:{line}")
+    assert circles(edges) == []
 
 
 def map_rows() -> list[list[str]]:

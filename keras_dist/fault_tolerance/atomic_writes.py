@@ -24,7 +24,6 @@ import numpy as np
 from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
 from keras_dist.fault_tolerance.background_writes import BackgroundWrite, WeightsSnapshot
-from keras_dist.fault_tolerance.resume import METADATA_KEY
 from keras_dist.overrides import is_overridden, methods_while, override
 
 logger = logging.getLogger("keras_dist")
@@ -37,6 +36,8 @@ BACKUP_OPTION = "BackupAndRestore's backup_dir (keras-dist launch --backup-dir)"
 
 # The model methods that write a file; `script_saves` makes them the chief's in a job of several processes.
 SAVING_METHODS = ("save", "save_weights", "export")
+# The key of keras_dist's part of Keras's `training_metadata.json` (`resume` reads it back).
+METADATA_KEY = "keras_dist"
 
 
 def keras_own_saves(model: keras.Model) -> contextlib.AbstractContextManager[None]:

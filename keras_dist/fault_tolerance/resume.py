@@ -34,6 +34,7 @@ import keras
 import numpy as np
 
 from keras_dist import keras_internals
+from keras_dist.fault_tolerance.atomic_writes import METADATA_KEY, keras_own_saves
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
 from keras_dist.inputs.position import EpochPosition
 from keras_dist.errors import KerasDistError
@@ -48,8 +49,6 @@ logger = logging.getLogger("keras_dist")
 RESIZABLE_INPUTS = ("NumPy arrays that fit shuffles (any, in an elastic job), a keras.utils.PyDataset of known "
                     "length and a torch DataLoader keras_dist splits (without drop_last), with fit's "
                     "steps_per_epoch unset")
-# The key of keras_dist's part of Keras's `training_metadata.json`.
-METADATA_KEY = "keras_dist"
 # The state of Keras callbacks that counts across epochs, restored on resume. ModelCheckpoint's
 # best value too: without it the first epoch after a restart overwrote the best checkpoint
 # (as keras-team/keras#17012 reports of Keras's own BackupAndRestore).
@@ -260,12 +259,10 @@ class ResumePoint(keras.callbacks.Callback):
             self._save_at_epoch_end = False
             keras_internals.set_backup_position(self.backup, epoch + 1, 0)
             if self.runs_backup:
-                from keras_dist.fault_tolerance import atomic_writes  # which imports this module
-
                 # Outside the backup's own hooks, where a worker's stand-in saves with Keras's
                 # methods: a worker's save through keras_dist's would wait for the chief's
                 # copy of its scratch file.
-                with atomic_writes.keras_own_saves(self.model):
+                with keras_own_saves(self.model):
                     keras_internals.save_backup(self.backup)
 
     def due(self, batch: int) -> bool:

@@ -142,7 +142,7 @@ class TorchDistributedStrategy(Strategy):
             if options.compression is not None or options.reduction != "mean":
                 raise KerasDistError("shard='weights' averages each gradient's slices in full precision: drop "
                                      "gradient_compression and gradient_reduction, or use shard='optimizer'")
-            self._split_weights[id(optimizer)] = SplitWeights(self, optimizer, lambda: self.in_train_step)
+            self._split_weights[id(optimizer)] = SplitWeights(self.collectives, optimizer, lambda: self.in_train_step)
             return
         if options.shard == "optimizer":
             optimizer_sharding.shard_state(

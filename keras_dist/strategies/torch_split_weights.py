@@ -42,7 +42,7 @@ from keras_dist.overrides import is_overridden, methods_while, override
 if TYPE_CHECKING:
     import torch
 
-    from keras_dist.strategies.torch_distributed import TorchDistributedStrategy
+    from keras_dist.collectives import Collectives
 
 # On a layer: the `SplitWeights` its `call` gathers from, or None (the weights are whole).
 _SPLIT = "_keras_dist_split_weights"
@@ -53,19 +53,20 @@ class SplitWeights:
     that trains their slices.
 
     Args:
-        strategy: the `TorchDistributedStrategy` (its collectives, rank and size).
+        collectives: the job's torch collectives (torch.distributed's or Horovod's), with
+            their `all_gather_` and `reduce_scatter_`.
         optimizer: the model's optimizer, not yet built; it is made to build and update
             the slices (`keras_dist.compile` calls this for `shard="weights"`).
         in_train_step: whether a train step runs now (only its backward passes reduce).
     """
 
-    def __init__(self, strategy: "TorchDistributedStrategy", optimizer: keras.optimizers.Optimizer,
+    def __init__(self, collectives: "Collectives", optimizer: keras.optimizers.Optimizer,
                  in_train_step: Callable[[], bool]) -> None:
         import torch
 
         self._torch = torch
         self.in_train_step = in_train_step
-        self.collectives, self.rank, self.size = strategy.collectives, strategy.rank, strategy.size
+        self.collectives, self.rank, self.size = collectives, collectives.rank, collectives.size
         self.optimizer = optimizer
         self.variables: list[keras.Variable] = []  # the model's, as the optimizer was built on them
         self.index: dict[int, int] = {}  # id(variable) -> its position in `variables`
@@ -79,7 +80,7 @@ class SplitWeights:
         self.active = False  # the variables are split (inside fit)
         self._whole_depth = 0  # nested `whole` blocks: the outermost gathers and releases
         self._hooks: list = []
-        self.state = optimizer_sharding.ShardedState(self._gather_whole_state, strategy.is_chief, "weights")
+        self.state = optimizer_sharding.ShardedState(self._gather_whole_state, collectives.rank == 0, "weights")
         self._shard_optimizer()
 
     # --- the optimizer, on the slices ------------------------------------------------
