@@ -36,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -330,109 +331,135 @@ REQUEST_SECONDS = 5.0
 _PATH = re.compile(r"/([A-Za-z0-9_-]{1,64})(?:/([0-9]{1,6}))?")
 
 
+class _DirectoryEntries:
+    """What machine 0's directory holds, and which requests it admits."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self.secret = secret
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.lock = threading.Lock()
+        # The nonces of the requests admitted within the window, and (time, nonce) by time, to
+        # forget each once its time is out of the window, when no request can bring it again.
+        self.nonces: set[str] = set()
+        self.by_time: list[tuple[int, str]] = []
+        self.refused: collections.Counter = collections.Counter()  # by client address
+
+    def refusal(self, method: str, path: str, headers: Any, body: bytes, address: str) -> str | None:
+        """Why a request is not the job's (None: it is): not signed with its secret, made out
+        of the window, or a replay of one admitted. Said once per address."""
+        if self.secret is None:
+            return None
+        stamp, nonce = headers.get(TIME_HEADER, ""), headers.get(NONCE_HEADER, "")
+        reason = None
+        if not (_STAMP.fullmatch(stamp) and _NONCE.fullmatch(nonce)
+                and _signed(headers.get(MAC_HEADER), self.secret, method, path, stamp, nonce, body)):
+            reason = "without the job's secret"
+        elif abs(time.time() - int(stamp)) > WINDOW_SECONDS:
+            reason = f"made over {WINDOW_SECONDS:g} s from this machine's time (a replay, or clocks apart)"
+        with self.lock:
+            while self.by_time and self.by_time[0][0] < time.time() - WINDOW_SECONDS:
+                self.nonces.discard(heapq.heappop(self.by_time)[1])
+            if reason is None and nonce in self.nonces:
+                reason = "replaying one already made"
+            if reason is None:
+                self.nonces.add(nonce)
+                heapq.heappush(self.by_time, (int(stamp), nonce))
+                return None
+            self.refused[address] += 1
+            first, total = self.refused[address] == 1, self.refused.total()
+        if first:  # once per address: a stranger's retries must not flood the job's output
+            logger.warning("keras_dist: refused a request from %s %s (%d so far); every machine of the job "
+                           "needs the same KERAS_DIST_JOB_SECRET", address, reason, total)
+        return reason
+
+
+class _DirectoryRequest(BaseHTTPRequestHandler):
+    """One request to the directory: PUT /KEY/RANK a JSON value, GET /KEY all of them."""
+
+    @property
+    def timeout(self) -> float:  # read per request: StreamRequestHandler sets it on the connection
+        return REQUEST_SECONDS
+
+    @property
+    def directory(self) -> _DirectoryEntries:
+        return self.server.directory
+
+    def do_PUT(self):
+        match = _PATH.fullmatch(self.path)
+        if not match or match[2] is None:
+            return self.send_error(404)
+        length = self.headers.get("Content-Length", "")
+        if not length.isdigit():
+            return self.send_error(411)
+        if int(length) > MAX_BODY_BYTES:
+            return self.send_error(413)
+        try:
+            body = self.rfile.read(int(length))
+        except OSError:  # the client stalled past REQUEST_SECONDS, or left
+            self.close_connection = True
+            return
+        if self._refused("PUT", body):
+            return
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
+            return self.send_error(400)
+        with self.directory.lock:
+            self.directory.entries.setdefault(match[1], {})[match[2]] = value
+        self._reply(b"{}")
+
+    def do_GET(self):
+        match = _PATH.fullmatch(self.path)
+        if not match or match[2] is not None:
+            return self.send_error(404)
+        if self._refused("GET", b""):
+            return
+        with self.directory.lock:
+            self._reply(json.dumps(self.directory.entries.get(match[1], {})).encode())
+
+    def _refused(self, method, body):
+        """Whether the request is not the job's, answered 403."""
+        if self.directory.refusal(method, self.path, self.headers, body, self.client_address[0]) is None:
+            return False
+        self.send_error(403)
+        return True
+
+    def __getattr__(self, name):
+        # Any other method is refused with 405, not http.server's 501.
+        if name.startswith("do_"):
+            return lambda: self.send_error(405)
+        raise AttributeError(name)
+
+    def send_error(self, code, message=None, explain=None):
+        # Every refusal is the client's doing: a 4xx, never http.server's 505.
+        super().send_error(code if code < 500 else 400, message, explain)
+
+    def _reply(self, body):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        if self.directory.secret is not None:  # the machine knows the master answered, to this request
+            self.send_header(MAC_HEADER, _signature(self.directory.secret, "reply", self.headers[MAC_HEADER], body))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass  # one line per request is noise in the job's output
+
+
+class _DirectoryServer(ThreadingHTTPServer):
+    def __init__(self, address: tuple[str, int], directory: _DirectoryEntries) -> None:
+        self.directory = directory
+        super().__init__(address, _DirectoryRequest)
+
+    def handle_error(self, request, client_address):
+        # A client that breaks off must not print socketserver's traceback into the
+        # job's output; the directory keeps serving the others.
+        logger.debug("keras_dist's directory: a request from %s failed", client_address[0], exc_info=True)
+
+
 def _serve_directory(nodes: Nodes) -> ThreadingHTTPServer:
-    entries = {}
-    lock = threading.Lock()
-    # The nonces of the requests admitted within the window, and (time, nonce) by time, to
-    # forget each once its time is out of the window, when no request can bring it again.
-    nonces, by_time = set(), []
-    refused = collections.Counter()  # by client address
-
-    class Directory(BaseHTTPRequestHandler):
-        timeout = REQUEST_SECONDS
-
-        def do_PUT(self):
-            match = _PATH.fullmatch(self.path)
-            if not match or match[2] is None:
-                return self.send_error(404)
-            length = self.headers.get("Content-Length", "")
-            if not length.isdigit():
-                return self.send_error(411)
-            if int(length) > MAX_BODY_BYTES:
-                return self.send_error(413)
-            try:
-                body = self.rfile.read(int(length))
-            except OSError:  # the client stalled past REQUEST_SECONDS, or left
-                self.close_connection = True
-                return
-            if self._refused("PUT", body):
-                return
-            try:
-                value = json.loads(body)
-            except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
-                return self.send_error(400)
-            with lock:
-                entries.setdefault(match[1], {})[match[2]] = value
-            self._reply(b"{}")
-
-        def do_GET(self):
-            match = _PATH.fullmatch(self.path)
-            if not match or match[2] is not None:
-                return self.send_error(404)
-            if self._refused("GET", b""):
-                return
-            with lock:
-                self._reply(json.dumps(entries.get(match[1], {})).encode())
-
-        def _refused(self, method, body):
-            """Whether the request is not the job's (answered 403): not signed with its secret,
-            made out of the window, or a replay of one admitted."""
-            if nodes.secret is None:
-                return False
-            stamp, nonce = self.headers.get(TIME_HEADER, ""), self.headers.get(NONCE_HEADER, "")
-            reason = None
-            if not (_STAMP.fullmatch(stamp) and _NONCE.fullmatch(nonce)
-                    and _signed(self.headers.get(MAC_HEADER), nodes.secret, method, self.path, stamp, nonce, body)):
-                reason = "without the job's secret"
-            elif abs(time.time() - int(stamp)) > WINDOW_SECONDS:
-                reason = f"made over {WINDOW_SECONDS:g} s from this machine's time (a replay, or clocks apart)"
-            address = self.client_address[0]
-            with lock:
-                while by_time and by_time[0][0] < time.time() - WINDOW_SECONDS:
-                    nonces.discard(heapq.heappop(by_time)[1])
-                if reason is None and nonce in nonces:
-                    reason = "replaying one already made"
-                if reason is None:
-                    nonces.add(nonce)
-                    heapq.heappush(by_time, (int(stamp), nonce))
-                    return False
-                refused[address] += 1
-                first, total = refused[address] == 1, refused.total()
-            if first:  # once per address: a stranger's retries must not flood the job's output
-                logger.warning("keras_dist: refused a request from %s %s (%d so far); every machine of the job "
-                               "needs the same KERAS_DIST_JOB_SECRET", address, reason, total)
-            self.send_error(403)
-            return True
-
-        def __getattr__(self, name):
-            # Any other method is refused with 405, not http.server's 501.
-            if name.startswith("do_"):
-                return lambda: self.send_error(405)
-            raise AttributeError(name)
-
-        def send_error(self, code, message=None, explain=None):
-            # Every refusal is the client's doing: a 4xx, never http.server's 505.
-            super().send_error(code if code < 500 else 400, message, explain)
-
-        def _reply(self, body):
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            if nodes.secret is not None:  # the machine knows the master answered, to this request
-                self.send_header(MAC_HEADER, _signature(nodes.secret, "reply", self.headers[MAC_HEADER], body))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass  # one line per request is noise in the job's output
-
-    class Server(ThreadingHTTPServer):
-        def handle_error(self, request, client_address):
-            # A client that breaks off must not print socketserver's traceback into the
-            # job's output; the directory keeps serving the others.
-            logger.debug("keras_dist's directory: a request from %s failed", client_address[0], exc_info=True)
-
     try:
-        server = Server((nodes.address, nodes.port), Directory)
+        server = _DirectoryServer((nodes.address, nodes.port), _DirectoryEntries(nodes.secret))
     except OSError as exc:
         raise KerasDistError(f"machine 0 cannot listen at {nodes.address}:{nodes.port} ({exc.strerror}); "
                              "pick another port in --master-addr HOST:PORT") from None
