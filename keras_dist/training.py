@@ -97,23 +97,11 @@ class DistributedTraining:
         arguments, script_callbacks = self._worker_args(self.keras_fit, args, kwargs)
         if self.strategy.reduces_in_keras_dist:
             self._choose_batch_logs(arguments["callbacks"])
-        call = next(_FIT_CALLS)
-        backup = resume.backup_of(script_callbacks)
+        backup, automatic = self._backup(arguments, script_callbacks)
         # Notices and resuming inside an epoch need Keras's loop (a parameter server's own
         # loop resumes at the epoch).
         keras_loop = self.strategy.runs_keras_loops
         chosen = self.strategy.settings
-        automatic = backup is None and keras_loop and chosen.backup_dir is not None
-        if automatic:
-            backup = resume.automatic_backup(chosen.backup_dir, call)
-            script_callbacks.append(backup)
-            arguments["callbacks"] += callbacks_for_this_worker([backup], self.strategy,
-                                                                self.gradient_options.shard is not None)
-        restart = chosen.restart
-        if restart and self.strategy.is_chief and backup is None:
-            logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
-                           "so training starts over; run with keras-dist launch --backup-dir DIR (or add one) to "
-                           "resume where the job failed", restart)
         # keras_dist draws the epochs' orders wherever a backup may resume inside an epoch, and
         # wherever several processes read: each epoch's shards are then parts of one global
         # permutation, not fixed strides of the data (issue 47).
@@ -127,18 +115,8 @@ class DistributedTraining:
         self._split_fit_inputs(arguments, position)
         if chosen.elastic and self.strategy.is_chief and (position is None or position.resizable is None):
             _say_fit_cannot_resize()
-        if position is not None and backup is not None:
-            runs_backup = resume.backup_of(arguments["callbacks"])
-            point = resume.ResumePoint(self.strategy, runs_backup or backup, position, script_callbacks,
-                                       runs_backup is not None, notice)
-            arguments["callbacks"] = [point, *arguments["callbacks"], point.last]
-        elif position is not None:
-            arguments["callbacks"] = [resume.FollowEpochs(position), *arguments["callbacks"]]
-        if notice is not None:
-            arguments["callbacks"] = [notice, *arguments["callbacks"], notice.last]
-        if self.strategy.size > 1:
-            # First at each epoch end, before user callbacks save; last at the start, after they restore.
-            arguments["callbacks"] = [ReplicaCheck(self.strategy), *arguments["callbacks"], SyncInitialState(self.strategy)]
+        arguments["callbacks"] = self._around_the_scripts_callbacks(arguments["callbacks"], script_callbacks,
+                                                                    backup, position, notice)
         resumes = resume.resume_inside_epoch(self.model, position) if backup is not None and position else contextlib.nullcontext()
         with self._flag("in_fit"), resumes, watched(self.strategy):
             try:
@@ -157,6 +135,42 @@ class DistributedTraining:
             self.strategy.barrier()
         self.synced = True
         return history
+
+    def _backup(self, arguments: dict, script_callbacks: list) -> tuple[Any, bool]:
+        """The fit's `BackupAndRestore`: the script's, else one of `--backup-dir` (added to the
+        fit's callbacks), else None; and whether it is the automatic one."""
+        call = next(_FIT_CALLS)
+        backup = resume.backup_of(script_callbacks)
+        chosen = self.strategy.settings
+        automatic = backup is None and self.strategy.runs_keras_loops and chosen.backup_dir is not None
+        if automatic:
+            backup = resume.automatic_backup(chosen.backup_dir, call)
+            script_callbacks.append(backup)
+            arguments["callbacks"] += callbacks_for_this_worker([backup], self.strategy,
+                                                                self.gradient_options.shard is not None)
+        if chosen.restart and self.strategy.is_chief and backup is None:
+            logger.warning("keras_dist: this is restart %s of the job and fit has no keras.callbacks.BackupAndRestore, "
+                           "so training starts over; run with keras-dist launch --backup-dir DIR (or add one) to "
+                           "resume where the job failed", chosen.restart)
+        return backup, automatic
+
+    def _around_the_scripts_callbacks(self, callbacks: list, script_callbacks: list, backup: Any,
+                                      position: EpochPosition | None, notice: PreemptionNotice | None) -> list:
+        """The fit's callbacks with keras_dist's around them, in the order their hooks must run:
+        state checks outermost, then the preemption notice, then the resume point."""
+        if position is not None and backup is not None:
+            runs_backup = resume.backup_of(callbacks)
+            point = resume.ResumePoint(self.strategy, runs_backup or backup, position, script_callbacks,
+                                       runs_backup is not None, notice)
+            callbacks = [point, *callbacks, point.last]
+        elif position is not None:
+            callbacks = [resume.FollowEpochs(position), *callbacks]
+        if notice is not None:
+            callbacks = [notice, *callbacks, notice.last]
+        if self.strategy.size > 1:
+            # First at each epoch end, before user callbacks save; last at the start, after they restore.
+            callbacks = [ReplicaCheck(self.strategy), *callbacks, SyncInitialState(self.strategy)]
+        return callbacks
 
     def _out_of_memory(self, error: Exception) -> KerasDistError:
         """The one line for a process that ran out of memory in fit, naming what holds less."""
