@@ -84,6 +84,42 @@ class Ended:
     failed_task: str | None = None
 
 
+def _tasks_environment(out: TextIO) -> tuple[dict[str, str], bool]:
+    """The environment every task starts from, and whether their start-up lines are quieted."""
+    inherited = sorted(k for k in os.environ if k.startswith(_CLUSTER_VARIABLES))
+    if inherited:
+        out.write(f"[keras-dist] ignoring {', '.join(inherited)} from the shell: each task gets its own\n")
+    # The job's secret is its launchers' alone: no task needs it, and one that logs its
+    # environment would show it.
+    base = {k: v for k, v in os.environ.items() if k not in inherited and k != SECRET_VARIABLE}
+    chosen = settings.Settings.from_environ(base)
+    base.update(console.quiet_tensorflow_variables(base, chosen))
+    return base, not chosen.debug_log
+
+
+def _how_tasks_ended(procs: list, reported: set, out: TextIO) -> Ended | None:
+    """How the job ended, once it has: the first task that failed (servers aside, which the
+    chief judges: said once each), or every trainer done; None while it runs."""
+    codes = [proc.poll() for _, proc in procs]
+    for (task, _), code in zip(procs, codes):
+        if task.serves and code not in (None, 0) and task.name not in reported:
+            reported.add(task.name)
+            out.write(f"[keras-dist] server {task.name} exited with {exit_code(code)}; "
+                      "the chief decides whether the job can go on\n")
+    failed = [(task, code) for (task, _), code in zip(procs, codes) if code not in (None, 0) and not task.serves]
+    if failed:
+        task, code = failed[0]
+        out.write(f"[keras-dist] task {task.name} exited with {exit_code(code)}; stopping the others\n")
+        return Ended(exit_code(code), task.name)
+    trainers = [code for (task, _), code in zip(procs, codes) if not task.serves]
+    if trainers and all(code == 0 for code in trainers):
+        return Ended(0)
+    if not trainers and all(code is not None for code in codes):
+        # A machine of servers only (`--nnodes`): they end with the chief, elsewhere.
+        return next((Ended(exit_code(code), task.name) for (task, _), code in zip(procs, codes) if code), Ended(0))
+    return None
+
+
 def child_environment(**variables: str) -> dict[str, str]:
     """This process's environment with `variables` in it: what a child process the
     `keras-dist` tool starts inherits."""
@@ -99,15 +135,7 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
     notice (SIGTERM: they save and exit), as at the launcher's own SIGTERM.
     """
     out = out or sys.stdout
-    inherited = sorted(k for k in os.environ if k.startswith(_CLUSTER_VARIABLES))
-    if inherited:
-        out.write(f"[keras-dist] ignoring {', '.join(inherited)} from the shell: each task gets its own\n")
-    # The job's secret is its launchers' alone: no task needs it, and one that logs its
-    # environment would show it.
-    base = {k: v for k, v in os.environ.items() if k not in inherited and k != SECRET_VARIABLE}
-    chosen = settings.Settings.from_environ(base)
-    base.update(console.quiet_tensorflow_variables(base, chosen))
-    quiet = not chosen.debug_log
+    base, quiet = _tasks_environment(out)
     procs, pumps = [], []
     terminate_with_parent = _parent_death_signal()
     handled = NOTICE_SIGNALS if threading.current_thread() is threading.main_thread() else ()
@@ -134,24 +162,9 @@ def run_tasks(tasks: Iterable["Task"], out: TextIO | None = None, poll_seconds: 
                 reason = stop_when()
                 if reason:
                     return Ended(_pass_on_notice(signal.SIGTERM, procs, grace_seconds, out, reason))
-            codes = [proc.poll() for _, proc in procs]
-            for (task, _), code in zip(procs, codes):
-                if task.serves and code not in (None, 0) and task.name not in reported:
-                    reported.add(task.name)
-                    out.write(f"[keras-dist] server {task.name} exited with {exit_code(code)}; "
-                              "the chief decides whether the job can go on\n")
-            failed = [(task, code) for (task, _), code in zip(procs, codes) if code not in (None, 0) and not task.serves]
-            if failed:
-                task, code = failed[0]
-                out.write(f"[keras-dist] task {task.name} exited with {exit_code(code)}; stopping the others\n")
-                return Ended(exit_code(code), task.name)
-            trainers = [code for (task, _), code in zip(procs, codes) if not task.serves]
-            if trainers and all(code == 0 for code in trainers):
-                return Ended(0)
-            if not trainers and all(code is not None for code in codes):
-                # A machine of servers only (`--nnodes`): they end with the chief, elsewhere.
-                return next((Ended(exit_code(code), task.name) for (task, _), code in zip(procs, codes) if code),
-                            Ended(0))
+            ended = _how_tasks_ended(procs, reported, out)
+            if ended is not None:
+                return ended
             time.sleep(poll_seconds)
     except KeyboardInterrupt as interrupt:
         sig = interrupt.args[0] if interrupt.args else signal.SIGINT
