@@ -78,3 +78,24 @@ def test_an_epoch_resumed_on_another_count_trains_each_sample_once(kind, before,
         assert sorted(set(trained)) == list(range(LENGTH)), (kind.__name__, done)
         # The only samples trained twice: the rerun's padding, from the order's start.
         assert len(trained) - LENGTH == (-(LENGTH - samples)) % after, (kind.__name__, done)
+
+
+def test_static_batches_resumed_on_another_count_stay_full_and_train_every_sample():
+    """On TensorFlow arrays are read in batches of a static size where every batch of an epoch
+    is full, as plain Keras's are (`EpochRows.static_batches`); an epoch resumed inside on
+    another count, whose last batch would be short, takes rows from the shard's start instead."""
+    ids = np.arange(48)
+    first = EpochRows({"x": ids, "y": ids, "sample_weight": None}, 2, 0, 4, EpochPosition(seed=1))
+    assert first.full_batches()  # 24 rows a shard
+    samples = 8  # a backup after one step of 2 x 4
+    trained = []
+    for index in range(3):
+        position = EpochPosition(seed=1, resume_epoch=0, skip_samples=samples)
+        rows = EpochRows({"x": ids, "y": ids, "sample_weight": None}, 3, index, 4, position)
+        rows.static_batches = True
+        position.epoch = 0
+        shard = rows.epoch_rows()
+        assert len(shard) % 4 == 0 and len(shard) // 4 == rows.steps_after(samples), (index, len(shard))
+        trained += shard.tolist()
+    # Every sample left trains; the padding repeats a few (from the order's start, then the shard's).
+    assert set(EpochPosition(seed=1).order(0, 48)[samples:].tolist()) <= set(trained)

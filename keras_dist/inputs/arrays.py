@@ -181,6 +181,8 @@ class EpochRows(keras.utils.PyDataset):
         self.backend = keras.backend.backend()
         self.steps = self.steps_after(0)
         self._rows: tuple[tuple[int, int], np.ndarray] | None = None
+        # Whether tf.data reads the rows in batches of a static size (`EpochBatches.get_tf_dataset`).
+        self.static_batches = False
         position.resizable, position.step_samples = self, batch_size * num_shards
 
     def steps_after(self, done: int) -> int:
@@ -202,11 +204,11 @@ class EpochRows(keras.utils.PyDataset):
         return keras_internals.convert_to_sliceable(self.packed, None if self.backend == "tensorflow" else self.backend)
 
     def full_batches(self) -> bool:
-        """Whether every batch holds `batch_size` rows, in a whole epoch and in the one a resume
-        starts inside: Keras's array adapter then gives its batches a static first dimension,
-        which model, loss and metric code reads (`tf.squeeze` of (None, 1) labels has no rank)."""
-        starts = {0, self.position.skip_samples}
-        return all(-(-(self.length - start) // self.num_shards) % self.batch_size == 0 for start in starts)
+        """Whether every batch of an epoch holds `batch_size` rows (as in every epoch a resume on
+        the same processes and batch size starts inside): Keras's array adapter then gives its
+        batches a static first dimension, which model, loss and metric code reads (`tf.squeeze`
+        of (None, 1) labels has no rank)."""
+        return -(-self.length // self.num_shards) % self.batch_size == 0
 
     def epoch_rows(self) -> np.ndarray:
         """This process's rows of the epoch under way, in order: batch k is rows k*B to (k+1)*B
@@ -217,7 +219,13 @@ class EpochRows(keras.utils.PyDataset):
         key = (epoch, self.position.first_sample(epoch))
         if self._rows is None or self._rows[0] != key:
             order = self.position.order(epoch, self.length) if self.shuffle else np.arange(self.length)
-            self._rows = key, rest_of_order(order, key[1], self.num_shards)[self.index::self.num_shards].astype(np.int64)
+            rows = rest_of_order(order, key[1], self.num_shards)[self.index::self.num_shards].astype(np.int64)
+            if self.static_batches and len(rows) % self.batch_size:
+                # A resume on another process count or batch size starts inside an epoch whose
+                # last batch is short: it takes rows from the shard's start, as padding does,
+                # rather than leave the batch size the pipeline promised.
+                rows = np.resize(rows, -(-len(rows) // self.batch_size) * self.batch_size)
+            self._rows = key, rows
         return self._rows[1]
 
     def __getitem__(self, step: int) -> tuple:
@@ -271,7 +279,8 @@ class EpochBatches(keras_internals.data_adapter_class()):
         # each batch gathered in parallel. (Read from a `from_generator` instead, a small model's
         # step took 4.5 ms where Keras's own took 2.5, issue 58; from this, 2.5.)
         epoch = tf.data.Dataset.range(1).map(lambda _: tf.reshape(tf.numpy_function(rows.epoch_rows, [], tf.int64), [-1]))
-        indices = epoch.unbatch().batch(rows.batch_size, drop_remainder=rows.full_batches())
+        rows.static_batches = rows.full_batches()
+        indices = epoch.unbatch().batch(rows.batch_size, drop_remainder=rows.static_batches)
         batches = tf.data.Dataset.zip((indices, tf.data.Dataset.from_tensors(arrays).repeat()))
         dataset = batches.map(keras_internals.gather_batch, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
         if self.equal_step_datasets is not None:
