@@ -109,7 +109,10 @@ def notice_compile() -> None:
     if model is None or model in _LOCAL or any(model is m for m in _COMPILING_HERE):
         return
     outermost, keras_own = _outermost_compile(frame, model)
-    arguments = _call_arguments(outermost)
+    try:
+        arguments = _call_arguments(outermost)
+    except KeyError:  # the compile deleted an argument of its own: its call cannot be made again
+        return  # (its fit stops in one line, `CompiledElsewhereWatch._is_multi_process`)
     for name in _DISTRIBUTED_METHODS:
         override(model, name, _distributing_first(model, name, arguments, keras_own))
 
