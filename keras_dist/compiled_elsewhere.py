@@ -5,11 +5,14 @@ do not: `keras.models.load_model` compiles the model it loads (TensorFlow's mult
 tutorial reloads and fits one), a teacher is compiled beside a student, a subclass's own
 `compile` calls `super().compile()`. In a job of several processes each would train alone,
 on all the data. So keras_dist notices every compile that Keras runs (`notice_compile`)
-and gives that model `fit`, `evaluate` and `predict` methods, on the object only, that
-first call `keras_dist.compile` with the arguments of the outermost `compile` call (the
-subclass's own ones, or Keras's with the optimizer Keras made, whose state a load fills
-in after compiling), then run distributed. The chief says so in one INFO line per model.
-`keras_dist.local(model)` keeps a model to each process, as plain Keras.
+and gives that model a `fit`, on the object only, that first calls `keras_dist.compile`
+with the arguments of the outermost `compile` call (the subclass's own ones, or Keras's
+with the optimizer Keras made, whose state a load fills in after compiling), then runs
+distributed; its `evaluate` and `predict` are distributed from then on too. Before its
+first `fit` they run as in one process, with no collective: a script's
+`if is_chief: load_model(best).predict(x)` stays the chief's alone. The chief says so in
+one INFO line per model. `keras_dist.local(model)` keeps a model to each process, as plain
+Keras.
 
 Keras has no hook at `compile`, and keras_dist patches no Keras class. What it does see
 is each variable Keras creates, and every compile creates some (its loss tracker's): on
@@ -49,7 +52,6 @@ _TF_CREATOR_SCOPE: list[Any] = []
 # `keras_dist.compile` and the strategy, given by the rooms above this one (`distribute_through`, `watch`).
 _DISTRIBUTED_COMPILE: list[Callable[..., None]] = []
 _STRATEGY: list["Strategy"] = []
-_DISTRIBUTED_METHODS = ("fit", "evaluate", "predict")
 
 
 def local(model: keras.Model) -> keras.Model:
@@ -101,7 +103,7 @@ def watch(strategy: "Strategy") -> None:
 
 def notice_compile() -> None:
     """If a variable is being created inside Keras's `compile` of a model keras_dist did not
-    compile, makes that model's next `fit`, `evaluate` or `predict` distribute it first."""
+    compile, makes that model's next `fit` distribute it first."""
     frame = _keras_compile_frame()
     if frame is None:
         return
@@ -113,8 +115,7 @@ def notice_compile() -> None:
         arguments = _call_arguments(outermost)
     except KeyError:  # the compile deleted an argument of its own: its call cannot be made again
         return  # (its fit stops in one line, `CompiledElsewhereWatch._is_multi_process`)
-    for name in _DISTRIBUTED_METHODS:
-        override(model, name, _distributing_first(model, name, arguments, keras_own))
+    override(model, "fit", _distributing_first(model, arguments, keras_own))
 
 
 def _keras_compile_frame() -> FrameType | None:
@@ -157,12 +158,12 @@ def _call_arguments(frame: FrameType) -> tuple[tuple, dict]:
     return tuple(positional), keywords
 
 
-def _distributing_first(model: keras.Model, name: str, arguments: tuple[tuple, dict], keras_own: bool):
-    def call(*args: Any, **kwargs: Any) -> Any:
+def _distributing_first(model: keras.Model, arguments: tuple[tuple, dict], keras_own: bool):
+    def fit(*args: Any, **kwargs: Any) -> Any:
         distribute(model, arguments, keras_own)
-        return getattr(model, name)(*args, **kwargs)
+        return model.fit(*args, **kwargs)
 
-    return call
+    return fit
 
 
 def distribute(model: keras.Model, arguments: tuple[tuple, dict], keras_own: bool) -> None:
