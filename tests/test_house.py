@@ -69,14 +69,20 @@ def room(path: str) -> str:
     return "/".join(parts[:2]) + "/" if len(parts) > 2 else path
 
 
-def room_of_module(dotted: str) -> str | None:
+def module_path(dotted: str) -> str | None:
+    """The file of the package's module `dotted` names (or of the module a name is imported from)."""
     parts = dotted.split(".")
     for end in range(len(parts), 0, -1):
         for suffix in (".py", "/__init__.py"):
             path = "/".join(parts[:end]) + suffix
             if (ROOT / path).exists():
-                return room(path)
+                return path
     return None
+
+
+def room_of_module(dotted: str) -> str | None:
+    path = module_path(dotted)
+    return None if path is None else room(path)
 
 
 def is_module(dotted: str) -> bool:
@@ -140,17 +146,6 @@ def test_the_rooms_import_each_other_without_a_circle_outside_type_checking():
             if target and target != room(path):
                 edges.setdefault(room(path), {}).setdefault(target, f"{path}:{line}")
     assert circles(edges) == []
-
-
-def module_path(dotted: str) -> str | None:
-    """The file of the package's module `dotted` names (or of the module a name is imported from)."""
-    parts = dotted.split(".")
-    for end in range(len(parts), 0, -1):
-        for suffix in (".py", "/__init__.py"):
-            path = "/".join(parts[:end]) + suffix
-            if (ROOT / path).exists():
-                return path
-    return None
 
 
 def test_the_modules_of_a_folder_import_each_other_without_a_circle_annotations_included():
