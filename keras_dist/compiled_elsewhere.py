@@ -121,12 +121,15 @@ def notice_compile() -> None:
 def _keras_compile_frame() -> FrameType | None:
     """The innermost frame of Keras's own `Trainer.compile` on the stack, if any."""
     target = keras_internals.compile_code()
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is target:
-            return frame
+    return _innermost_frame(lambda frame: frame.f_code is target)
+
+
+def _innermost_frame(matches) -> FrameType | None:
+    """The innermost frame of the stack, above this module's own two, for which `matches` holds."""
+    frame = sys._getframe(3)
+    while frame is not None and not matches(frame):
         frame = frame.f_back
-    return None
+    return frame
 
 
 def _outermost_compile(frame: FrameType, model: keras.Model) -> tuple[FrameType, bool]:
@@ -246,11 +249,5 @@ class CompiledElsewhereWatch:
 def _model_whose_fit_runs() -> keras.Model | None:
     """The model whose Keras `fit` is on the stack (the innermost), if any."""
     trainer = keras_internals.trainer_mixin()
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "fit":
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, trainer):
-                return owner
-        frame = frame.f_back
-    return None
+    frame = _innermost_frame(lambda f: f.f_code.co_name == "fit" and isinstance(f.f_locals.get("self"), trainer))
+    return None if frame is None else frame.f_locals["self"]

@@ -12,7 +12,6 @@ alone or nested in lists, tuples and dicts. Every rule here maps over the whole 
 
 import dataclasses
 import functools
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -25,6 +24,8 @@ from keras_dist.inputs.base import InputKind, Inputs, may_stand_in, open_ended, 
 from keras_dist.inputs.position import EpochPosition, rest_of_order, steps_left
 
 if TYPE_CHECKING:
+    import weakref
+
     from keras_dist.replicas import Replicas
 
 
