@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_dist import keras_internals
+from keras_dist import keras_internals, variable_creation
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, restore
 
@@ -48,7 +48,6 @@ _LOCAL: "weakref.WeakSet[keras.Model]" = weakref.WeakSet()
 # The model `keras_dist.compile` is compiling (its own compile is not one "elsewhere").
 _COMPILING_HERE: list[keras.Model] = []
 # Kept alive for the process: TensorFlow pops a creator when its scope's generator is closed.
-_TF_CREATOR_SCOPE: list[Any] = []
 # `keras_dist.compile` and the strategy, given by the rooms above this one (`distribute_through`, `watch`).
 _DISTRIBUTED_COMPILE: list[Callable[..., None]] = []
 _STRATEGY: list["Strategy"] = []
@@ -89,16 +88,8 @@ def watch(strategy: "Strategy") -> None:
         return
     _STRATEGY[:] = [strategy]
     keras.distribution.set_distribution(CompiledElsewhereWatch(strategy))
-    if keras.backend.backend() == "tensorflow" and not _TF_CREATOR_SCOPE:
-        import tensorflow as tf
-
-        def creator(next_creator, **kwargs):
-            notice_compile()
-            return next_creator(**kwargs)
-
-        scope = tf.variable_creator_scope(creator)
-        scope.__enter__()
-        _TF_CREATOR_SCOPE.append(scope)
+    if keras.backend.backend() == "tensorflow":
+        variable_creation.watch(notice_compile)
 
 
 def notice_compile() -> None:

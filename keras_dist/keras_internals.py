@@ -71,6 +71,14 @@ def trainer_mixin() -> type:
     return getattr(trainer, "Trainer", None) or trainer.BaseTrainer
 
 
+def loaded_get_file_code() -> Any:
+    """The code object of `keras.utils.get_file` once Keras has loaded it (else None, importing nothing), whose frame keras_dist.downloads finds on the stack when it makes its cache directory (its local `datadir`); the function is public, its module and locals are not."""
+    import sys
+
+    module = sys.modules.get("keras.src.utils.file_utils")
+    return None if module is None else module.get_file.__code__
+
+
 @functools.cache
 def compile_code() -> Any:
     """The code object of Keras's own `compile` (the trainer mixin's, under its decorators), whose frame keras_dist.compiled_elsewhere finds on the stack while Keras creates a variable in it; not public."""

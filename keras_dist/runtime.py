@@ -108,9 +108,12 @@ def init(backend: str | None = None, **options: Any) -> "Strategy":
         runtime = _runtime = dataclasses.replace(chosen, environment=environment)
     runtime.strategy = strategies.create(runtime.backend, runtime.environment, runtime.settings, **options)
     console.announce(runtime.strategy)
-    from keras_dist import compiled_elsewhere  # imports Keras, which `keras-dist` itself never does
+    # They import Keras, which `keras-dist` itself never does.
+    from keras_dist import compiled_elsewhere
+    from keras_dist.fault_tolerance import tf_checkpoints
 
     compiled_elsewhere.watch(runtime.strategy)
+    tf_checkpoints.watch(runtime.strategy)
     return runtime.strategy
 
 

@@ -13,6 +13,7 @@ when it imports keras_dist. In a process some launcher started (`keras-dist laun
    address-binding library (`keras_dist.launchers.binding`), and a parameter-server `ps`
    or `worker` task serves there and exits;
 2. a watcher thread that ends the task once its launcher is gone (`keras-dist launch`);
+   in a job of several processes, `keras.utils.get_file` once per machine (`keras_dist.downloads`);
 3. when the job has several processes that each build the model (the strategy's
    `shares_random_seed`): the strategy starts (its process group) and every
    process takes the chief's random seed, unless the script seeded itself before. Weights
@@ -50,7 +51,7 @@ def start() -> None:
     """The start-up effects of `import keras_dist` (see the module docstring)."""
     if is_the_cli():
         return
-    from keras_dist import console, errors, network, runtime, settings, strategies
+    from keras_dist import console, downloads, errors, network, runtime, settings, strategies
     from keras_dist.launchers import processes
 
     chosen = settings.current()
@@ -74,6 +75,8 @@ def start() -> None:
     settings.export({**variables, **strategy.process_variables(environment, chosen)})
     strategy.prepare_process(environment, chosen)
     processes.watch_launcher(chosen.variables)
+    if environment.size > 1:
+        downloads.once_per_machine()
     if strategy.shares_random_seed and environment.size > 1:
         share_random_seed(runtime.current())
 

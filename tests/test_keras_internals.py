@@ -929,3 +929,55 @@ def test_symbolic_build_takes_the_epoch_iterator():
                  or keras_build(iterator=iterator))
         model.fit(np.ones((4, 3)), np.ones((4, 2)), epochs=1, verbose=0)
         assert len(called) == 1 and called[0] is not None
+
+
+def test_get_file_code(tmp_path):
+    """`keras.utils.get_file` first makes its cache directory (its local `datadir`), where
+    `keras_dist.downloads` sees it from a Python audit hook."""
+    from keras_dist import downloads
+
+    source = tmp_path / "data.txt"
+    source.write_text("one line")
+    (tmp_path / "cache").mkdir()  # else get_file falls back to /tmp/.keras
+    seen, listening = [], [True]
+
+    def hook(event, args):
+        if listening and event == "os.mkdir":
+            seen.append(downloads._get_file_making_its_directory(os.fsdecode(args[0])) is not None)
+
+    sys.addaudithook(hook)  # cannot be removed: `listening` turns it off
+    with canary("keras.src.utils.file_utils.get_file, its makedirs(datadir)",
+                "keras_dist.downloads runs get_file once per machine"):
+        try:
+            path = keras.utils.get_file(origin=source.as_uri(), cache_dir=tmp_path / "cache")
+        finally:
+            listening.clear()
+        assert open(path).read() == "one line"
+        assert seen.count(True) == 1, seen
+
+
+def test_checkpoint_save_counter_and_write(tmp_path):
+    """TensorFlow (not Keras): a `tf.train.Checkpoint` creates its save counter, a variable, in
+    `_maybe_create_save_counter` at its first save, and `save`, `write` and
+    `CheckpointManager.save` all write through the object's `"_write"`, which
+    `keras_dist.fault_tolerance.tf_checkpoints` replaces on that one checkpoint."""
+    tf = pytest.importorskip("tensorflow")
+    from keras_dist.fault_tolerance import tf_checkpoints
+
+    checkpoint, seen, written = tf.train.Checkpoint(step=tf.Variable(1)), [], []
+
+    def creator(next_creator, **kwargs):
+        seen.append(tf_checkpoints._checkpoint_creating_its_save_counter())
+        return next_creator(**kwargs)
+
+    with canary("tensorflow.python.checkpoint.checkpoint.Checkpoint._maybe_create_save_counter and _write",
+                "keras_dist.fault_tolerance.tf_checkpoints writes the script's tf.train checkpoints once"):
+        tensorflow_write = checkpoint._write
+        override(checkpoint, "_write", lambda prefix, options=None: written.append(prefix) or
+                 tensorflow_write(prefix, options=options))
+        with tf.variable_creator_scope(creator):
+            tf.train.CheckpointManager(checkpoint, tmp_path / "managed", max_to_keep=1).save()
+        checkpoint.save(tmp_path / "saved")
+        checkpoint.write(tmp_path / "written")
+        assert seen == [checkpoint]
+        assert [os.path.basename(str(p)) for p in written] == ["ckpt-1", "saved-2", "written"], written

@@ -3,7 +3,8 @@ backend and launcher (tests/workers/script_saves.py): written once, by the chief
 read right after on every process; the chief alone saving waits for nobody; a loaded model, a
 teacher compiled by `model.compile` and a subclass compiling itself trained on every replica
 with no `keras_dist.compile`, as one process at the global batch (PyTorch: refused in one line
-and trained once `keras_dist.compile(model)` recompiled it); `keras_dist.local` models apart."""
+and trained once `keras_dist.compile(model)` recompiled it); `keras_dist.local` models apart;
+on TensorFlow, the script's `tf.train.CheckpointManager` and `Checkpoint.save` the chief's alone."""
 
 import json
 
@@ -75,3 +76,16 @@ def test_saves_are_the_chiefs_and_every_rank_reads_them_at_once(tmp_path, config
     # keras_dist.local: each process trained its own half alone.
     assert not all(np.array_equal(a, b) for a, b in zip(chief["local_weights"], other["local_weights"]))
     assert (tmp_path / configuration / "retrained.weights.h5").exists()
+    if keras_backend == "tensorflow":
+        # tf.train.CheckpointManager and Checkpoint.save on every process: the chief's files alone,
+        # the manager's two newest kept, each restorable on every process at once (issue 67).
+        checkpoints = chief["tf_checkpoints"]
+        assert checkpoints["saved"] == ["ckpt/ckpt-1", "ckpt/ckpt-2", "ckpt/ckpt-3", "single/ckpt-4"]
+        assert checkpoints["kept"] == ["checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index",
+                                       "ckpt-3.data-00000-of-00001", "ckpt-3.index"], checkpoints["kept"]
+        for report in (chief, other):
+            theirs = report["tf_checkpoints"]
+            assert theirs["restored_bias"] == 12.0 and theirs["latest"] == "ckpt/ckpt-3"
+            assert theirs["saved"] == checkpoints["saved"]
+        assert checkpoints["bytes"] > 4 * 250_000 > 20 * other["tf_checkpoints"]["bytes"], \
+            (checkpoints["bytes"], other["tf_checkpoints"]["bytes"])

@@ -10,5 +10,7 @@ a thread; `atomic_writes` commits every file the chief writes (backups, checkpoi
 rename, so a kill leaves the last whole one. `preemption` turns a notice into a save at a
 step every process agrees on, then an exit (and a SLURM requeue). `keras_dist.training`
 wires it into `fit`; the inputs start a resumed epoch at its position; the launchers pass
-notices on and restart failed jobs (`keras-dist launch --max-restarts`).
+notices on and restart failed jobs (`keras-dist launch --max-restarts`). The script's own
+saves, on every process, are written once by the chief: `script_saves` for the model's
+`save`/`save_weights`/`export`, `tf_checkpoints` for TensorFlow's `tf.train.Checkpoint`.
 """

@@ -75,13 +75,13 @@ def _once_from_the_chief(model: keras.Model, strategy: "Replicas", keras_method:
             with strategy.process_local_steps(model):
                 return keras_method(filepath, *args, **kwargs)
         path = os.path.abspath(os.fspath(filepath))
-        _SAVES[path] = count = _SAVES.get(path, 0) + 1
+        count = count_save(path)
         if not strategy.is_chief:
-            _wait_for_chief(path, count, strategy.step_timeout.first, strategy.rank)
+            wait_for_chief(path, count, strategy)
             return None
         with strategy.process_local_steps(model):
             result = _write_committed(path, keras_method, args, kwargs)
-        _record(path, count)
+        record_commit(path, count)
         return result
 
     return save
@@ -89,6 +89,12 @@ def _once_from_the_chief(model: keras.Model, strategy: "Replicas", keras_method:
 
 # This process's saves so far, by absolute path.
 _SAVES: dict[str, int] = {}
+
+
+def count_save(path: str) -> int:
+    """Counts one more save of `path` by this process; returns how many so far."""
+    _SAVES[path] = count = _SAVES.get(path, 0) + 1
+    return count
 
 
 def _write_committed(path: str, keras_method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -132,7 +138,7 @@ def _record_path(path: str) -> str:
     return os.path.join(directory, RECORD_PREFIX + name)
 
 
-def _record(path: str, count: int) -> None:
+def record_commit(path: str, count: int) -> None:
     """Says, on `path` (else beside it), that the chief's first `count` saves of it are committed."""
     value = json.dumps({"committed": count, "at": time.time()}).encode()
     try:
@@ -174,9 +180,10 @@ def _staging_size(path: str) -> int:
     return total
 
 
-def _wait_for_chief(path: str, count: int, timeout: float, rank: int) -> None:
+def wait_for_chief(path: str, count: int, strategy: "Replicas") -> None:
     """Returns once the chief has committed its `count`-th save of `path`; one line after
-    `timeout` seconds without it (or without its save growing on disk)."""
+    the step timeout's first value without it (or without its save growing on disk)."""
+    timeout, rank = strategy.step_timeout.first, strategy.rank
     deadline, size = time.monotonic() + timeout, _staging_size(path)
     while _committed(path) < count:
         now = time.monotonic()

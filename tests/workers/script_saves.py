@@ -146,6 +146,32 @@ for name, other in (("teacher", teacher), ("scaled", scaled)):
     other.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     report[f"{name}_weights"] = [w.tolist() for w in other.get_weights()]
 
+if keras.backend.backend() == "tensorflow":
+    # The multi-worker tutorial's own checkpoints: a tf.train.CheckpointManager saving on every
+    # process into one directory, then Checkpoint.save, each restored at once (issue 67).
+    import tensorflow as tf
+
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    manager = tf.train.CheckpointManager(checkpoint, os.path.join(OUT, "ckpt"), max_to_keep=2)
+    saved, wrote = [], 0
+    for round_number in range(3):
+        bias.assign(np.full(original.shape, 10 + round_number, original.dtype))
+        before = bytes_written()
+        saved.append(manager.save())
+        wrote += bytes_written() - before
+    before = bytes_written()
+    saved.append(checkpoint.save(os.path.join(OUT, "single", "ckpt")))
+    wrote += bytes_written() - before
+    bias.assign(original)
+    checkpoint.restore(tf.train.latest_checkpoint(os.path.join(OUT, "ckpt"))).assert_consumed()
+    restored_bias = float(keras.ops.convert_to_numpy(bias)[0])
+    checkpoint.restore(saved[-1])
+    report["tf_checkpoints"] = {"saved": [os.path.relpath(p, OUT) for p in saved], "bytes": wrote,
+                                "restored_bias": restored_bias,
+                                "latest": os.path.relpath(tf.train.latest_checkpoint(os.path.join(OUT, "ckpt")), OUT),
+                                "kept": sorted(os.listdir(os.path.join(OUT, "ckpt")))}
+    bias.assign(original)
+
 # keras_dist.local(model): each process trains its own, on the data it passes.
 own = keras_dist.local(make_model())
 own.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
