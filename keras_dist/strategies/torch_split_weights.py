@@ -29,6 +29,7 @@ whole, in the unsharded optimizer's order (`optimizer_sharding.whole_layout`).
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 
 # On a layer: the `SplitWeights` its `call` gathers from, or None (the weights are whole).
 _SPLIT = "_keras_dist_split_weights"
+
+
 
 
 class SplitWeights:
@@ -85,86 +88,84 @@ class SplitWeights:
 
     # --- the optimizer, on the slices ------------------------------------------------
     def _shard_optimizer(self) -> None:
+        """Replaces, on the optimizer object, what must see slices instead of whole variables."""
+        optimizer = self.optimizer
+        _check_splittable(optimizer)
+        keras_methods = {name: getattr(optimizer, name)
+                         for name in ("build", "apply", "save_own_variables", "load_own_variables")}
+        override(optimizer, "build", functools.partial(self._build_on_slices, keras_methods["build"]))
+        override(optimizer, "apply", functools.partial(self._apply_to_slices, keras_methods["apply"]))
+        override(optimizer, "save_own_variables",
+                 functools.partial(self._save_optimizer_whole, keras_methods["save_own_variables"]))
+        override(optimizer, "load_own_variables",
+                 functools.partial(self._load_optimizer_share, keras_methods["load_own_variables"]))
+        optimizer_sharding.attach_state(optimizer, self.state)
+
+    def _build_on_slices(self, keras_build: Callable[[list], None], variables: list) -> None:
+        """The optimizer's `build`: its slots made for this process's slices of `variables`."""
+        for variable in variables:
+            if variable.constraint is not None or getattr(variable, "overwrite_with_gradient", False):
+                raise KerasDistError(f"shard='weights' cannot split {variable.path}: its constraint (or float8 "
+                                     "scale) applies to the whole variable; use shard='optimizer'")
+        state = self.state
+        state.variables = list(variables)
+        self.variables = state.variables
+        self.index = {id(v): i for i, v in enumerate(self.variables)}
+        for variable in self.variables:
+            self.slices[id(variable)] = keras.Variable(self._my_slice_of(variable), dtype=variable.dtype,
+                                                       name=f"keras_dist_slice_of_{variable.path.replace('/', '_')}")
+        slices = [self.slices[id(v)] for v in self.variables]
+        index = {id(s): i for i, s in enumerate(slices)}
+        recording = optimizer_sharding.recording_slots(self.optimizer.add_variable_from_reference, index, state.slots)
+        with methods_while(self.optimizer, {"add_variable_from_reference": recording}):
+            keras_build(slices)
+
+    def _apply_to_slices(self, keras_apply: Callable[..., None], grads: list, trainable_variables: Any = None) -> None:
+        """The optimizer's `apply`: this process's reduced gradient slices applied to its weight
+        slices, then the whole weights gathered back where the step needs them."""
+        optimizer = self.optimizer
+        variables = list(trainable_variables) if trainable_variables is not None else self.variables
+        for unit in [unit for unit in self.units if unit in self.pending]:  # layers some gradient missed
+            self._reduce_pending(unit)
+        pairs = []
+        for variable, grad in zip(variables, grads):
+            reduced = self.gradients.pop(id(variable), None)
+            if reduced is None and grad is not None:  # whole (a step outside fit): its slice as it is now
+                reduced = self._reduced_slice(variable, grad)
+                self.slices[id(variable)].assign(self._my_slice_of(variable))
+            if reduced is not None:
+                pairs.append((reduced, self.slices[id(variable)]))
+        if optimizer.global_clipnorm and pairs:
+            pairs = list(zip(self._clipped([g for g, _ in pairs], optimizer.global_clipnorm), [s for _, s in pairs]))
+        if pairs:
+            keras_apply([g for g, _ in pairs], [s for _, s in pairs])
+        else:
+            optimizer.iterations.assign_add(1)
+        if self.active:  # also those the step gathered and no gradient reached (never released)
+            self.release([v for v in self.variables if id(v) not in self.released and id(v) not in self.kept_whole])
+        self.gather([v for v in self.variables if not self.active or id(v) in self.kept_whole], refresh=True)
+
+    def _save_optimizer_whole(self, keras_save: Callable[[Any], None], store: Any) -> None:
+        """The optimizer's `save_own_variables`: its state as the unsharded optimizer's (collective)."""
+        if self.state.variables is None:
+            return keras_save(store)
+        optimizer_sharding.save_whole(self.state, store)
+
+    def _load_optimizer_share(self, keras_load: Callable[[Any], None], store: Any) -> None:
+        """The optimizer's `load_own_variables`: this process's share of a whole optimizer's state."""
         optimizer, state = self.optimizer, self.state
-        optimizer_sharding.check_supported(optimizer)
-        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-            raise KerasDistError(f"shard='weights' updates flat slices of each variable, which "
-                                 f"{type(optimizer).__name__} cannot (its update looks at a whole variable): use "
-                                 f"{', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}, or shard='optimizer'")
-        if optimizer.clipnorm:
-            raise KerasDistError("shard='weights' does not take clipnorm yet (each process holds a slice of each "
-                                 "gradient): use global_clipnorm, or shard='optimizer'")
-        if optimizer.global_clipnorm and (optimizer.gradient_accumulation_steps or optimizer.loss_scale_factor):
-            raise KerasDistError("shard='weights' clips each step's gradients before the optimizer accumulates or "
-                                 "unscales them: drop global_clipnorm, or gradient_accumulation_steps and "
-                                 "loss_scale_factor")
-        keras_build, keras_apply = optimizer.build, optimizer.apply
-        keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
-
-        def build(variables: list) -> None:
-            for variable in variables:
-                if variable.constraint is not None or getattr(variable, "overwrite_with_gradient", False):
-                    raise KerasDistError(f"shard='weights' cannot split {variable.path}: its constraint (or float8 "
-                                         "scale) applies to the whole variable; use shard='optimizer'")
-            state.variables = list(variables)
-            self.variables = state.variables
-            self.index = {id(v): i for i, v in enumerate(self.variables)}
-            for variable in self.variables:
-                self.slices[id(variable)] = keras.Variable(self._my_slice_of(variable), dtype=variable.dtype,
-                                                           name=f"keras_dist_slice_of_{variable.path.replace('/', '_')}")
-            slices = [self.slices[id(v)] for v in self.variables]
-            index = {id(s): i for i, s in enumerate(slices)}
-            recording = optimizer_sharding.recording_slots(optimizer.add_variable_from_reference, index, state.slots)
-            with methods_while(optimizer, {"add_variable_from_reference": recording}):
-                keras_build(slices)
-
-        def apply(grads: list, trainable_variables: Any = None) -> None:
-            variables = list(trainable_variables) if trainable_variables is not None else self.variables
-            for unit in [unit for unit in self.units if unit in self.pending]:  # layers some gradient missed
-                self._reduce_pending(unit)
-            pairs = []
-            for variable, grad in zip(variables, grads):
-                reduced = self.gradients.pop(id(variable), None)
-                if reduced is None and grad is not None:  # whole (a step outside fit): its slice as it is now
-                    reduced = self._reduced_slice(variable, grad)
-                    self.slices[id(variable)].assign(self._my_slice_of(variable))
-                if reduced is not None:
-                    pairs.append((reduced, self.slices[id(variable)]))
-            if optimizer.global_clipnorm and pairs:
-                pairs = list(zip(self._clipped([g for g, _ in pairs], optimizer.global_clipnorm),
-                                 [s for _, s in pairs]))
-            if pairs:
-                keras_apply([g for g, _ in pairs], [s for _, s in pairs])
-            else:
-                optimizer.iterations.assign_add(1)
-            if self.active:  # also those the step gathered and no gradient reached (never released)
-                self.release([v for v in self.variables if id(v) not in self.released and id(v) not in self.kept_whole])
-            self.gather([v for v in self.variables if not self.active or id(v) in self.kept_whole], refresh=True)
-
-        def save_own_variables(store: Any) -> None:
-            if state.variables is None:
-                return keras_save(store)
-            optimizer_sharding.save_whole(state, store)
-
-        def load_own_variables(store: Any) -> None:
-            if state.variables is None:
-                return keras_load(store)
-            whole = optimizer_sharding.whole_layout(optimizer, state)
-            if len(store.keys()) != len(whole):
-                raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer "
-                                     f"unsharded has {len(whole)}: it was saved with another optimizer; compile with "
-                                     "the file's")
-            position = {key: j for j, key in enumerate(whole)}
-            for mine, key in zip(optimizer.variables, optimizer_sharding.layout_of(optimizer.variables, state.slots)):
-                value = np.asarray(store[str(position[key])])
-                mine.assign(self._my_share_of_array(value, int(np.prod(mine.shape))) if key[0] == "slot" else value)
-            optimizer_sharding.note_loaded(state, store)
-
-        override(optimizer, "build", build)
-        override(optimizer, "apply", apply)
-        override(optimizer, "save_own_variables", save_own_variables)
-        override(optimizer, "load_own_variables", load_own_variables)
-        optimizer_sharding.attach_state(optimizer, state)
+        if state.variables is None:
+            return keras_load(store)
+        whole = optimizer_sharding.whole_layout(optimizer, state)
+        if len(store.keys()) != len(whole):
+            raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer "
+                                 f"unsharded has {len(whole)}: it was saved with another optimizer; compile with "
+                                 "the file's")
+        position = {key: j for j, key in enumerate(whole)}
+        for mine, key in zip(optimizer.variables, optimizer_sharding.layout_of(optimizer.variables, state.slots)):
+            value = np.asarray(store[str(position[key])])
+            mine.assign(self._my_share_of_array(value, int(np.prod(mine.shape))) if key[0] == "slot" else value)
+        optimizer_sharding.note_loaded(state, store)
 
     def _my_share_of_array(self, whole: np.ndarray, length: int) -> np.ndarray:
         """This process's slice of `length` of a whole value read from a file."""
@@ -371,6 +372,22 @@ ELEMENTWISE_OPTIMIZERS = (keras.optimizers.SGD, keras.optimizers.Adam, keras.opt
                           keras.optimizers.Adamax, keras.optimizers.Nadam, keras.optimizers.RMSprop,
                           keras.optimizers.Adagrad, keras.optimizers.Adadelta, keras.optimizers.Ftrl,
                           keras.optimizers.Lion)
+
+
+def _check_splittable(optimizer: Any) -> None:
+    """One line where `shard="weights"` cannot update `optimizer` slice by slice."""
+    optimizer_sharding.check_supported(optimizer)
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        raise KerasDistError(f"shard='weights' updates flat slices of each variable, which "
+                             f"{type(optimizer).__name__} cannot (its update looks at a whole variable): use "
+                             f"{', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}, or shard='optimizer'")
+    if optimizer.clipnorm:
+        raise KerasDistError("shard='weights' does not take clipnorm yet (each process holds a slice of each "
+                             "gradient): use global_clipnorm, or shard='optimizer'")
+    if optimizer.global_clipnorm and (optimizer.gradient_accumulation_steps or optimizer.loss_scale_factor):
+        raise KerasDistError("shard='weights' clips each step's gradients before the optimizer accumulates or "
+                             "unscales them: drop global_clipnorm, or gradient_accumulation_steps and "
+                             "loss_scale_factor")
 
 
 def _slice_length(variable: keras.Variable, size: int) -> int:
