@@ -241,7 +241,6 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
         return
     check_supported(optimizer)
     keras_build, keras_apply = optimizer.build, optimizer.apply
-    keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
     rank, size = replicas.rank, replicas.size
     state = ShardedState(lambda: gather_whole_state(optimizer, replicas), replicas.is_chief)
     placement: dict[tuple, list[int]] = {}
@@ -259,23 +258,6 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
         recording = recording_slots(optimizer.add_variable_from_reference, index, state.slots)
         with methods_while(optimizer, {"add_variable_from_reference": recording}):
             keras_build([v for v, owner in zip(state.variables, placed(state.variables)) if owner == rank])
-
-    def save_own_variables(store: Any) -> None:
-        if state.variables is None:  # not built: nothing is sharded yet
-            return keras_save(store)
-        save_whole(state, store)
-
-    def load_own_variables(store: Any) -> None:
-        if state.variables is None:
-            return keras_load(store)
-        whole = whole_layout(optimizer, state)
-        if len(store.keys()) != len(whole):
-            raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer unsharded "
-                                 f"has {len(whole)}: it was saved with another optimizer; compile with the file's")
-        position = {key: j for j, key in enumerate(whole)}
-        for variable, key in zip(optimizer.variables, layout_of(optimizer.variables, state.slots)):
-            variable.assign(store[str(position[key])])
-        note_loaded(state, store)
 
     def apply(grads: list, trainable_variables: Any = None) -> None:
         if trainable_variables is None:
@@ -297,9 +279,44 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
 
     override(optimizer, "build", build)
     override(optimizer, "apply", apply)
+    save_and_load_whole(optimizer, state)
+    attach_state(optimizer, state)
+
+
+def save_and_load_whole(optimizer: keras.optimizers.Optimizer, state: ShardedState,
+                        share_of: Callable[[Any, tuple, np.ndarray], Any] | None = None) -> None:
+    """Makes `optimizer` save its state as the unsharded optimizer's (`save_whole`, a
+    collective) and load this process's share of such a file, once built sharded (before,
+    Keras's own methods).
+
+    Args:
+        optimizer: the sharded optimizer.
+        state: its `ShardedState`.
+        share_of: from (one of this process's optimizer variables, its layout key, the
+            whole value in the file) to the value it takes; default: the whole value.
+    """
+    keras_save, keras_load = optimizer.save_own_variables, optimizer.load_own_variables
+
+    def save_own_variables(store: Any) -> None:
+        if state.variables is None:  # not built: nothing is sharded yet
+            return keras_save(store)
+        save_whole(state, store)
+
+    def load_own_variables(store: Any) -> None:
+        if state.variables is None:
+            return keras_load(store)
+        whole = whole_layout(optimizer, state)
+        if len(store.keys()) != len(whole):
+            raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer unsharded "
+                                 f"has {len(whole)}: it was saved with another optimizer; compile with the file's")
+        position = {key: j for j, key in enumerate(whole)}
+        for variable, key in zip(optimizer.variables, layout_of(optimizer.variables, state.slots)):
+            value = np.asarray(store[str(position[key])])
+            variable.assign(value if share_of is None else share_of(variable, key, value))
+        note_loaded(state, store)
+
     override(optimizer, "save_own_variables", save_own_variables)
     override(optimizer, "load_own_variables", load_own_variables)
-    attach_state(optimizer, state)
 
 
 def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, layout_for: Callable[[tuple], Any],

@@ -91,14 +91,9 @@ class SplitWeights:
         """Replaces, on the optimizer object, what must see slices instead of whole variables."""
         optimizer = self.optimizer
         _check_splittable(optimizer)
-        keras_methods = {name: getattr(optimizer, name)
-                         for name in ("build", "apply", "save_own_variables", "load_own_variables")}
-        override(optimizer, "build", functools.partial(self._build_on_slices, keras_methods["build"]))
-        override(optimizer, "apply", functools.partial(self._apply_to_slices, keras_methods["apply"]))
-        override(optimizer, "save_own_variables",
-                 functools.partial(self._save_optimizer_whole, keras_methods["save_own_variables"]))
-        override(optimizer, "load_own_variables",
-                 functools.partial(self._load_optimizer_share, keras_methods["load_own_variables"]))
+        override(optimizer, "build", functools.partial(self._build_on_slices, optimizer.build))
+        override(optimizer, "apply", functools.partial(self._apply_to_slices, optimizer.apply))
+        optimizer_sharding.save_and_load_whole(optimizer, self.state, self._my_share_of_loaded)
         optimizer_sharding.attach_state(optimizer, self.state)
 
     def _build_on_slices(self, keras_build: Callable[[list], None], variables: list) -> None:
@@ -145,27 +140,10 @@ class SplitWeights:
             self.release([v for v in self.variables if id(v) not in self.released and id(v) not in self.kept_whole])
         self.gather([v for v in self.variables if not self.active or id(v) in self.kept_whole], refresh=True)
 
-    def _save_optimizer_whole(self, keras_save: Callable[[Any], None], store: Any) -> None:
-        """The optimizer's `save_own_variables`: its state as the unsharded optimizer's (collective)."""
-        if self.state.variables is None:
-            return keras_save(store)
-        optimizer_sharding.save_whole(self.state, store)
-
-    def _load_optimizer_share(self, keras_load: Callable[[Any], None], store: Any) -> None:
-        """The optimizer's `load_own_variables`: this process's share of a whole optimizer's state."""
-        optimizer, state = self.optimizer, self.state
-        if state.variables is None:
-            return keras_load(store)
-        whole = optimizer_sharding.whole_layout(optimizer, state)
-        if len(store.keys()) != len(whole):
-            raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer "
-                                 f"unsharded has {len(whole)}: it was saved with another optimizer; compile with "
-                                 "the file's")
-        position = {key: j for j, key in enumerate(whole)}
-        for mine, key in zip(optimizer.variables, optimizer_sharding.layout_of(optimizer.variables, state.slots)):
-            value = np.asarray(store[str(position[key])])
-            mine.assign(self._my_share_of_array(value, int(np.prod(mine.shape))) if key[0] == "slot" else value)
-        optimizer_sharding.note_loaded(state, store)
+    def _my_share_of_loaded(self, mine: keras.Variable, key: tuple, whole: np.ndarray) -> np.ndarray:
+        """What this process's optimizer variable `mine` takes of a whole one read from a file:
+        its slice of a slot, all of the rest (the iteration count)."""
+        return self._my_share_of_array(whole, int(np.prod(mine.shape))) if key[0] == "slot" else whole
 
     def _my_share_of_array(self, whole: np.ndarray, length: int) -> np.ndarray:
         """This process's slice of `length` of a whole value read from a file."""
