@@ -223,24 +223,9 @@ class CoordinatedSteps:
         if validation_split:
             raise KerasDistError("validation_split needs NumPy arrays under backend 'parameter_server'; "
                                  "pass validation_data instead")
-        dataset_function = callable(x) and not isinstance(x, tf.data.Dataset)
-        per_worker_input = dataset_function or _rebuildable_on_workers(x, steps_per_epoch)
-        if per_worker_input:
-            if steps_per_epoch is None:
-                raise KerasDistError("a dataset function is built on every worker and has no known length; "
-                                     "pass steps_per_epoch to fit")
-            if dataset_function:
-                iterator = iter(self.coordinator.create_per_worker_dataset(
-                    lambda: self.strategy.distribute_datasets_from_function(x)))
-            else:  # TensorFlow sends the pipeline's graph to every worker, which reads and preprocesses
-                iterator = iter(self.coordinator.create_per_worker_dataset(x))
-            dataset = None
-            if not model.built or not model.optimizer.built:
-                self._build(self._first_batch(x(tf.distribute.InputContext()) if dataset_function else x), "train")
-        else:
-            dataset = self._adapter(x, y, sample_weight, batch_size, steps_per_epoch, shuffle,
-                                    class_weight).get_tf_dataset()
-            self._build(self._first_batch(dataset), "train")
+        iterator, dataset = self._training_input(x, y, sample_weight, batch_size, steps_per_epoch, shuffle,
+                                                 class_weight)
+        per_worker_input = iterator is not None
         function = self._step_function("train", per_worker_input)
         verbose = 1 if verbose == "auto" else verbose
         steps = steps_per_epoch or (None if per_worker_input else _known_length(dataset))
@@ -265,12 +250,8 @@ class CoordinatedSteps:
                 batches = None  # ran out: the next epoch starts the input again
             logs = self._results(step_states)
             if validation_data is not None and keras_internals.should_evaluate(model, epoch, validation_freq):
-                val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data) \
-                    if isinstance(validation_data, tuple) else (validation_data, None, None)
-                val_logs = self.evaluate(val_x, val_y, batch_size=validation_batch_size or batch_size,
-                                         sample_weight=val_weight, steps=validation_steps, verbose=0,
-                                         callbacks=callbacks, return_dict=True)
-                logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                logs.update(self._validation_logs(validation_data, validation_batch_size or batch_size,
+                                                  validation_steps, callbacks))
             callbacks.on_epoch_end(epoch, logs)
             if model.stop_training:
                 break
@@ -278,6 +259,39 @@ class CoordinatedSteps:
             model.optimizer.finalize_variable_values(model.trainable_weights)
         callbacks.on_train_end(logs)
         return model.history
+
+    def _training_input(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None,
+                        steps_per_epoch: int | None, shuffle: bool, class_weight: Any) -> tuple[Any, Any]:
+        """What `fit`'s epochs read, with the model built for it: (an iterator over the workers'
+        own input, None) where every worker builds its input (a dataset function, or a pipeline
+        TensorFlow sends them), else (None, the dataset the coordinator reads)."""
+        model = self.model
+        dataset_function = callable(x) and not isinstance(x, tf.data.Dataset)
+        if not dataset_function and not _rebuildable_on_workers(x, steps_per_epoch):
+            dataset = self._adapter(x, y, sample_weight, batch_size, steps_per_epoch, shuffle,
+                                    class_weight).get_tf_dataset()
+            self._build(self._first_batch(dataset), "train")
+            return None, dataset
+        if steps_per_epoch is None:
+            raise KerasDistError("a dataset function is built on every worker and has no known length; "
+                                 "pass steps_per_epoch to fit")
+        if dataset_function:
+            iterator = iter(self.coordinator.create_per_worker_dataset(
+                lambda: self.strategy.distribute_datasets_from_function(x)))
+        else:  # TensorFlow sends the pipeline's graph to every worker, which reads and preprocesses
+            iterator = iter(self.coordinator.create_per_worker_dataset(x))
+        if not model.built or not model.optimizer.built:
+            self._build(self._first_batch(x(tf.distribute.InputContext()) if dataset_function else x), "train")
+        return iterator, None
+
+    def _validation_logs(self, validation_data: Any, batch_size: int | None, steps: int | None,
+                         callbacks: keras.callbacks.CallbackList) -> dict[str, Any]:
+        """The epoch's validation, as `val_` logs."""
+        val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data) \
+            if isinstance(validation_data, tuple) else (validation_data, None, None)
+        val_logs = self.evaluate(val_x, val_y, batch_size=batch_size, sample_weight=val_weight, steps=steps,
+                                 verbose=0, callbacks=callbacks, return_dict=True)
+        return {f"val_{k}": v for k, v in val_logs.items()}
 
     # --- evaluate and predict ---------------------------------------------------
     def _run_chief_batches(self, kind, x, y, sample_weight, batch_size, steps, callbacks, verbose):
