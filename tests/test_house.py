@@ -317,3 +317,19 @@ def test_every_private_keras_name_given_as_a_string_has_a_canary():
     missing = sorted(f"{path}:{line}: {name}" for path, name, line in found
                      if (path, name) not in NOT_KERAS_STRINGS and f'"{name}"' not in canaries)
     assert missing == [], "private Keras names with no canary in tests/test_keras_internals.py:\n" + "\n".join(missing)
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    # Docstrings excluded: from the first statement after the docstring (else from the `def`)
+    # to the end; a nested function counts in the function that holds it, and alone.
+    too_long = []
+    for path, tree in modules().items():
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            documented = len(body) > 1 and isinstance(body[0], ast.Expr) and string(body[0].value) is not None
+            start = body[1].lineno if documented else node.lineno
+            if node.end_lineno - start + 1 > 60:
+                too_long.append(f"{path}:{node.lineno}: {node.name} ({node.end_lineno - start + 1} lines)")
+    assert too_long == [], "functions over 60 lines (split them):\n" + "\n".join(too_long)
