@@ -12,7 +12,6 @@ inputs as one rank of a job would without any collective.
 import abc
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -40,17 +39,18 @@ class InputPlan:
             replicas one process feeds: a script's batch size is per replica).
         collective_steps: every step is a collective, so evaluation and prediction
             shards that differ in length must still end together on every process.
-        equal_step_datasets: where the engine must know which `tf.data` shards give every
-            process the same batches (MultiWorkerMirrored, which otherwise stops each
-            epoch by a collective vote), the set `keras_dist.inputs` adds them to; None
-            where no engine asks.
+        marks_equal_steps: the engine must know which `tf.data` shards give every process
+            batches of the same number and sizes (MultiWorkerMirrored, which otherwise
+            stops each epoch by a collective vote, and loses the batches' static size):
+            `keras_dist.inputs` marks them (`inputs.base.mark_equal_steps`), and reads
+            unshuffled arrays through `EpochBatches`, which marks its dataset.
     """
 
     num_shards: int = 1
     shard_index: int = 0
     batch_multiplier: int = 1
     collective_steps: bool = False
-    equal_step_datasets: "weakref.WeakSet | None" = dataclasses.field(default=None, compare=False)
+    marks_equal_steps: bool = False
 
 
 class Replicas(abc.ABC):

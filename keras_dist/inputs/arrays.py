@@ -20,12 +20,10 @@ from keras import tree
 
 from keras_dist import keras_internals
 from keras_dist.errors import KerasDistError
-from keras_dist.inputs.base import InputKind, Inputs, may_stand_in, open_ended, ordered_share
+from keras_dist.inputs.base import InputKind, Inputs, mark_equal_steps, may_stand_in, open_ended, ordered_share
 from keras_dist.inputs.position import EpochPosition, rest_of_order, steps_left
 
 if TYPE_CHECKING:
-    import weakref
-
     from keras_dist.replicas import Replicas
 
 
@@ -69,13 +67,13 @@ class ArraysKind(InterleavedOutputs):
         # Unshuffled, Keras's array adapter keeps its own order, which resumes on the same count;
         # but an engine that must know equal-step datasets (MultiWorkerMirrored: else its batches
         # lose their static size) reads the rows from `EpochBatches`, which tells it.
-        keras_order = not shuffle and not position.elastic and plan.equal_step_datasets is None
+        keras_order = not shuffle and not position.elastic and not plan.marks_equal_steps
         if keras_order or (shuffle == "batch" and plan.num_shards == 1) \
                 or num_samples(parts) == 0:
             return None
         rows = EpochRows(parts, plan.num_shards, plan.shard_index, (data.batch_size or 32) * plan.batch_multiplier,
                          position, shuffle=bool(shuffle), class_weight=data.class_weight)
-        return ordered_share(EpochBatches(rows, plan.equal_step_datasets), data, position)
+        return ordered_share(EpochBatches(rows, plan.marks_equal_steps), data, position)
 
 
 def _dataset(parts: dict, batch_size: int | None) -> Any:
@@ -252,10 +250,10 @@ class EpochBatches(keras_internals.data_adapter_class()):
     there too).
     """
 
-    def __init__(self, rows: EpochRows, equal_step_datasets: "weakref.WeakSet | None" = None) -> None:
+    def __init__(self, rows: EpochRows, marks_equal_steps: bool = False) -> None:
         self.rows = rows
         # Every process's rows are padded to one length: its tf.data batches match the others'.
-        self.equal_step_datasets = equal_step_datasets
+        self.marks_equal_steps = marks_equal_steps
         self.adapter = keras_internals.get_data_adapter(rows)
 
     def _restored(self, batch: Any) -> Any:
@@ -284,8 +282,8 @@ class EpochBatches(keras_internals.data_adapter_class()):
         indices = epoch.unbatch().batch(rows.batch_size, drop_remainder=rows.static_batches)
         batches = tf.data.Dataset.zip((indices, tf.data.Dataset.from_tensors(arrays).repeat()))
         dataset = batches.map(keras_internals.gather_batch, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
-        if self.equal_step_datasets is not None:
-            self.equal_step_datasets.add(dataset)
+        if self.marks_equal_steps:
+            mark_equal_steps(dataset)
         return dataset
 
     @property

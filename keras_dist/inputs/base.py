@@ -10,6 +10,7 @@ import abc
 import dataclasses
 import itertools
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -90,6 +91,21 @@ class InputKind(abc.ABC):
     @abc.abstractmethod
     def gather(self, replicas: "Replicas", data: Inputs, outputs: Any) -> Any:
         """Every process's `predict` outputs of the split `data`, in the script's input order."""
+
+
+# The datasets of shards that give every process batches of the same number and sizes.
+_EQUAL_STEPS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def mark_equal_steps(dataset: Any) -> None:
+    """Says that `dataset`, one process's shard, gives batches of the same number and sizes as
+    every other process's (`InputPlan.marks_equal_steps`)."""
+    _EQUAL_STEPS.add(dataset)
+
+
+def has_equal_steps(dataset: Any) -> bool:
+    """Whether `mark_equal_steps` marked `dataset`."""
+    return dataset in _EQUAL_STEPS
 
 
 def may_stand_in(plan: "InputPlan", pad: bool) -> bool:

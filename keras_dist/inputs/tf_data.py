@@ -44,7 +44,8 @@ from tensorflow.python.ops import gen_experimental_dataset_ops
 
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs.arrays import InterleavedOutputs
-from keras_dist.inputs.base import STEPS, Inputs, may_stand_in, open_ended
+from keras_dist.inputs.base import STEPS, Inputs, has_equal_steps, mark_equal_steps, may_stand_in, open_ended
+from keras_dist.overrides import set_while
 
 if TYPE_CHECKING:
     from tensorflow.core.framework import node_def_pb2
@@ -72,14 +73,44 @@ class TFDataKind(InterleavedOutputs):
         data = dataclasses.replace(data, x=share)
         if not pad and plan.collective_steps:
             data = Inputs(open_ended(share), steps=data.steps)
-        if equal_steps and plan.equal_step_datasets is not None:
-            plan.equal_step_datasets.add(data.x)
+        if equal_steps and plan.marks_equal_steps:
+            mark_equal_steps(data.x)
         return data
 
     def ordered(self, replicas: "Replicas", data: Inputs, position: "EpochPosition", shuffle: bool | str) -> None:
         """None: a pipeline's order is its own (its shuffles, seeded or not); a resumed epoch reads
         it from the start and drops the batches done."""
         return None
+
+
+def distribute_share(strategy: tf.distribute.Strategy, dataset: tf.data.Dataset, options: Any = None) -> Any:
+    """`dataset`, this worker's share (keras_dist split it), distributed by `strategy` (a
+    `tf.distribute` strategy of several workers, MultiWorkerMirrored) to its local replicas,
+    as the strategy's `experimental_distribute_dataset` must: TensorFlow would split it again.
+
+    Each local replica gets whole batches of the process batch divided by their count, and
+    steps stay as Keras counts them.
+    """
+    equal_steps = has_equal_steps(dataset)
+    if dataset.options().autotune.enabled is None:
+        # Without tf.data's autotuning thread, unless the script asks for it: freeing an
+        # iterator waits for that thread, which may sleep up to a minute between rounds, so a
+        # worker could outlive the job's deadline at exit (docs/backends.md). AUTOTUNE
+        # parallelism stays at its starting value.
+        no_autotune = tf.data.Options()
+        no_autotune.autotune.enabled = False
+        dataset = dataset.with_options(no_autotune)
+    local = len(strategy.extended.worker_devices)
+    if local > 1:
+        batch, _ = dataset_batch_size(dataset)
+        dataset = dataset.rebatch(-(-batch // local))
+    if not equal_steps:
+        return strategy.distribute_datasets_from_function(lambda _: dataset, options)
+    # Every worker has batches of the same sizes (keras_dist padded the shards), so the
+    # all-reduce tf.distribute runs at every step, asking whether every worker still has
+    # data, can go.
+    with set_while(strategy.extended, "experimental_enable_get_next_as_optional", False):
+        return strategy.distribute_datasets_from_function(lambda _: dataset, options)
 
 
 def dataset_batch_size(dataset: tf.data.Dataset) -> tuple[int, bool]:

@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import sys
-import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +24,7 @@ from keras_dist.strategies.scratch import ScratchCallback
 from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, detected_cluster, threads_per_process
 from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.launchers import binding
-from keras_dist.overrides import override, set_while
+from keras_dist.overrides import override
 from keras_dist.settings import Settings
 from keras_dist.strategies import tf_server
 
@@ -133,7 +132,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
     def input_plan(self) -> InputPlan:
         # Every step is a collective: uneven evaluation shards must still end together.
         return dataclasses.replace(super().input_plan, collective_steps=True,
-                                   equal_step_datasets=self.strategy.equal_steps)
+                                   marks_equal_steps=True)
 
     def worker_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
         # Saving is a collective too: the other workers save into scratch directories.
@@ -218,33 +217,11 @@ def _make_strategy(chosen: Settings) -> "tf.distribute.MultiWorkerMirroredStrate
             # as soon as its gradients exist, while the backward pass goes on.
             packs = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=bucket_bytes(PACK_BYTES, chosen))
             super().__init__(communication_options=packs)
-            # Shards every worker reads in batches of the same number and sizes
-            # (`InputPlan.equal_step_datasets`).
-            self.equal_steps = weakref.WeakSet()
 
         def experimental_distribute_dataset(self, dataset, options=None):
             from keras_dist.inputs import tf_data
 
-            equal_steps = dataset in self.equal_steps
-            if dataset.options().autotune.enabled is None:
-                # Without tf.data's autotuning thread, unless the script asks for it: freeing
-                # an iterator waits for that thread, which may sleep up to a minute between
-                # rounds, so a worker could outlive the job's deadline at exit
-                # (docs/backends.md). AUTOTUNE parallelism stays at its starting value.
-                no_autotune = tf.data.Options()
-                no_autotune.autotune.enabled = False
-                dataset = dataset.with_options(no_autotune)
-            local = len(self.extended.worker_devices)
-            if local > 1:
-                batch, _ = tf_data.dataset_batch_size(dataset)
-                dataset = dataset.rebatch(-(-batch // local))
-            if not equal_steps:
-                return self.distribute_datasets_from_function(lambda _: dataset, options)
-            # Every worker has batches of the same sizes (keras_dist padded the shards), so
-            # the all-reduce tf.distribute runs at every step, asking whether every worker
-            # still has data, can go.
-            with set_while(self.extended, "experimental_enable_get_next_as_optional", False):
-                return self.distribute_datasets_from_function(lambda _: dataset, options)
+            return tf_data.distribute_share(self, dataset, options)
 
     try:
         return PreShardedMultiWorkerMirroredStrategy()
