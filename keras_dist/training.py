@@ -40,6 +40,18 @@ logger = logging.getLogger("keras_dist")
 _FIT_CALLS = itertools.count()
 
 
+# The order of fit's callbacks, every engine alike: Keras calls each hook in list order.
+FIT_CALLBACK_ORDER = (
+    "replica_check",  # first at each epoch end: the replicas agree before the script's callbacks save
+    "preemption_notice",  # a notice becomes a save at a step every process agrees on
+    "resume_point",  # where a backup resumes inside an epoch (without a backup: the epoch followed)
+    "the_scripts",  # the script's callbacks as this worker runs them (callbacks_for_this_worker)
+    "resume_point_last",  # after them: their state is part of the backup
+    "preemption_notice_last",
+    "initial_state_sync",  # last at the start: after the script's callbacks restore, the chief's state for all
+)
+
+
 class DistributedTraining:
     """The per-model state behind the wrapped methods."""
 
@@ -156,21 +168,24 @@ class DistributedTraining:
 
     def _around_the_scripts_callbacks(self, callbacks: list, script_callbacks: list, backup: Any,
                                       position: EpochPosition | None, notice: PreemptionNotice | None) -> list:
-        """The fit's callbacks with keras_dist's around them, in the order their hooks must run:
-        state checks outermost, then the preemption notice, then the resume point."""
+        """The fit's callbacks with keras_dist's around them, in `FIT_CALLBACK_ORDER`; a part
+        that does not apply to this fit is empty."""
+        point = None
         if position is not None and backup is not None:
             runs_backup = resume.backup_of(callbacks)
             point = resume.ResumePoint(self.strategy, runs_backup or backup, position, script_callbacks,
                                        runs_backup is not None, notice)
-            callbacks = [point, *callbacks, point.last]
-        elif position is not None:
-            callbacks = [resume.FollowEpochs(position), *callbacks]
-        if notice is not None:
-            callbacks = [notice, *callbacks, notice.last]
-        if self.strategy.size > 1:
-            # First at each epoch end, before user callbacks save; last at the start, after they restore.
-            callbacks = [ReplicaCheck(self.strategy), *callbacks, SyncInitialState(self.strategy)]
-        return callbacks
+        several = self.strategy.size > 1
+        parts = {
+            "replica_check": [ReplicaCheck(self.strategy)] if several else [],
+            "preemption_notice": [notice] if notice is not None else [],
+            "resume_point": [point] if point is not None else [resume.FollowEpochs(position)] if position else [],
+            "the_scripts": callbacks,
+            "resume_point_last": [point.last] if point is not None else [],
+            "preemption_notice_last": [notice.last] if notice is not None else [],
+            "initial_state_sync": [SyncInitialState(self.strategy)] if several else [],
+        }
+        return [callback for name in FIT_CALLBACK_ORDER for callback in parts[name]]
 
     def _out_of_memory(self, error: Exception) -> KerasDistError:
         """The one line for a process that ran out of memory in fit, naming what holds less."""
