@@ -64,21 +64,21 @@ def configure_logging(is_chief: bool) -> None:
     logger.setLevel(level)
 
 
-def announce(strategy: "Replicas") -> None:
+def announce(replicas: "Replicas") -> None:
     """The job's one summary line, from the chief of a job of several processes or replicas."""
-    if strategy.size == 1 and strategy.num_replicas == 1:
-        if strategy.environment.name != "local":
+    if replicas.size == 1 and replicas.num_replicas == 1:
+        if replicas.environment.name != "local":
             # A launcher's job of one process (an elastic job down to one machine): its
             # lines on resuming, without the summary line.
             configure_logging(is_chief=True)
         return  # one plain process prints what it printed without keras_dist
-    configure_logging(strategy.is_chief)
-    environment = strategy.environment
+    configure_logging(replicas.is_chief)
+    environment = replicas.environment
     where = ""
     if environment.KNOWS_LOCAL_SIZE:
-        machines = -(-strategy.size // max(1, environment.local_size))
+        machines = -(-replicas.size // max(1, environment.local_size))
         where = f" on {machines} machine{'' if machines == 1 else 's'}"
     logger.info("keras_dist: %s backend (%s): %d replicas in %d process%s%s (cluster environment: %s)",
-                strategy.name, type(strategy).__name__, strategy.num_replicas, strategy.size,
-                "" if strategy.size == 1 else "es", where, environment.name or "none")
-    logger.debug("keras_dist: this process is %s", strategy.describe())
+                replicas.name, type(replicas).__name__, replicas.num_replicas, replicas.size,
+                "" if replicas.size == 1 else "es", where, environment.name or "none")
+    logger.debug("keras_dist: this process is %s", replicas.describe())

@@ -58,12 +58,12 @@ def chief_only(callback: CallbackT) -> CallbackT:
 
 
 def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | keras.callbacks.CallbackList | None,
-                              strategy: "Replicas", collective_saves: bool = False) -> list[keras.callbacks.Callback]:
+                              replicas: "Replicas", collective_saves: bool = False) -> list[keras.callbacks.Callback]:
     """The user's callbacks as this worker must run them.
 
     Args:
         callbacks: a list of callbacks, a `keras.callbacks.CallbackList`, or None.
-        strategy: the active keras_dist strategy.
+        replicas: the job as this process sees it (`Replicas`).
         collective_saves: the model's saves gather every process's share of its state
             (`shard="optimizer"`): a worker runs a stand-in of each checkpoint and backup
             (`Replicas.collective_save_stand_in`).
@@ -79,13 +79,13 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     callbacks = list(callbacks or [])
-    if strategy.is_chief:
+    if replicas.is_chief:
         # One process keeps Keras's behaviour for logs: the script sees the error as without keras_dist.
-        guard_logs = make_log_failures_warn if strategy.size > 1 else (lambda c: c)
-        return [strategy.chief_file_callback(guard_logs(make_writes_atomic(c)))
+        guard_logs = make_log_failures_warn if replicas.size > 1 else (lambda c: c)
+        return [replicas.chief_file_callback(guard_logs(make_writes_atomic(c)))
                 if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks]
-    kept = [strategy.collective_save_stand_in(c) if collective_saves and isinstance(c, _SAVING_CALLBACKS) else
-            strategy.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
+    kept = [replicas.collective_save_stand_in(c) if collective_saves and isinstance(c, _SAVING_CALLBACKS) else
+            replicas.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
             if c not in _CHIEF_ONLY]
     return [c for c in kept if c is not None]
 
@@ -134,16 +134,16 @@ def _on_audit_event(event: str, args: tuple) -> None:
 
 
 @contextlib.contextmanager
-def watched(strategy: "Replicas") -> Iterator[None]:
+def watched(replicas: "Replicas") -> Iterator[None]:
     """While `fit` runs: on a worker other than the chief, the first file a callback of the
     script's opens for writing is logged, once per process."""
-    if strategy.is_chief or strategy.size == 1:
+    if replicas.is_chief or replicas.size == 1:
         yield
         return
     if not _Watch.hooked:
         sys.addaudithook(_on_audit_event)  # cannot be removed: idle outside `watched`
         _Watch.hooked = True
-    _Watch.rank = strategy.rank
+    _Watch.rank = replicas.rank
     try:
         yield
     finally:

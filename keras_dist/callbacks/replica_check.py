@@ -23,16 +23,16 @@ class ReplicaCheck(keras.callbacks.Callback):
     A mismatch means some update was not reduced across workers.
 
     Args:
-        strategy: the active keras_dist strategy, with more than one process.
+        replicas: the job as this process sees it (`Replicas`), of more than one process.
     """
 
-    def __init__(self, strategy: "Replicas") -> None:
+    def __init__(self, replicas: "Replicas") -> None:
         super().__init__()
-        self.strategy = strategy
+        self.replicas = replicas
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        average_statistics(self.model, self.strategy)
-        digests = self.strategy.allgather_object(weights_digest(self.strategy.replicated_weights(
+        average_statistics(self.model, self.replicas)
+        digests = self.replicas.allgather_object(weights_digest(self.replicas.replicated_weights(
             self.model.trainable_weights)))
         differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
         if differing:
@@ -52,11 +52,11 @@ def weights_digest(weights: Iterable[keras.Variable]) -> bytes:
     return digest.digest()
 
 
-def average_statistics(model: keras.Model, strategy: "Replicas") -> None:
+def average_statistics(model: keras.Model, replicas: "Replicas") -> None:
     """Sets every float non-trainable weight of `model` to its mean over processes."""
     statistics = [w for w in model.non_trainable_weights if "float" in str(w.dtype)]
     if not statistics:
         return
-    sums = strategy.sum_arrays([keras.ops.convert_to_numpy(w) for w in statistics])
+    sums = replicas.sum_arrays([keras.ops.convert_to_numpy(w) for w in statistics])
     for weight, total in zip(statistics, sums):
-        weight.assign(total / strategy.size)
+        weight.assign(total / replicas.size)

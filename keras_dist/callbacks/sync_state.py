@@ -25,21 +25,21 @@ class SyncInitialState(keras.callbacks.Callback):
     would otherwise hang the first collective.
 
     Args:
-        strategy: the active keras_dist strategy.
+        replicas: the job as this process sees it (`Replicas`).
     """
 
-    def __init__(self, strategy: "Replicas") -> None:
+    def __init__(self, replicas: "Replicas") -> None:
         super().__init__()
-        self.strategy = strategy
+        self.replicas = replicas
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        sync_model_state(self.model, self.strategy)
+        sync_model_state(self.model, self.replicas)
         # BackupAndRestore (chief only) sets the epoch to resume from.
-        chiefs = self.strategy.broadcast_object(keras_internals.initial_epoch(self.model))
+        chiefs = self.replicas.broadcast_object(keras_internals.initial_epoch(self.model))
         keras_internals.set_initial_epoch(self.model, chiefs)
 
 
-def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
+def sync_model_state(model: keras.Model, replicas: "Replicas") -> None:
     """Checks the models match across processes, then copies the chief's state to all.
 
     With the job's shared seed (`keras_dist.startup`) the weights already agree, so the
@@ -48,7 +48,7 @@ def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
     """
     optimizer = model.optimizer
     if optimizer is not None and not optimizer.built and model.built:  # an unbuilt model: fit builds both
-        with strategy.scope():  # before any fit (evaluate first), nothing else opened it
+        with replicas.scope():  # before any fit (evaluate first), nothing else opened it
             optimizer.build(model.trainable_variables)
     # Optimizers a custom `compile` holds build on their first update, from zeros on every
     # process; a sharded optimizer's state is each process's own share.
@@ -56,8 +56,8 @@ def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
     sharded = [o for o in built if optimizer_sharding.is_sharded(o)]
     optimizer_variables = [v for o in built if o not in sharded for v in o.variables]
     variables = list(model.weights) + optimizer_variables
-    check_same_variables(variables, strategy)
-    digests = strategy.allgather_object((weights_digest(model.weights), weights_digest(optimizer_variables)))
+    check_same_variables(variables, replicas)
+    digests = replicas.allgather_object((weights_digest(model.weights), weights_digest(optimizer_variables)))
     differing = [rank for rank, digest in enumerate(digests) if digest[0] != digests[0][0]]
     if differing:
         logger.info("the weights of rank(s) %s differed from the chief's before training; all now start from the "
@@ -65,19 +65,19 @@ def sync_model_state(model: keras.Model, strategy: "Replicas") -> None:
     # Where every process holds the chief's state already (the job's shared seed), nothing is
     # sent: a broadcast of the whole model and optimizer state doubled a JAX process's peak memory.
     if any(digest != digests[0] for digest in digests):
-        strategy.broadcast_variables(variables)
+        replicas.broadcast_variables(variables)
     for optimizer in sharded:
-        optimizer_sharding.share_loaded_state(optimizer, strategy)
-    strategy.after_initial_sync(model)
+        optimizer_sharding.share_loaded_state(optimizer, replicas)
+    replicas.after_initial_sync(model)
 
 
-def check_same_variables(variables: Iterable[keras.Variable], strategy: "Replicas") -> None:
+def check_same_variables(variables: Iterable[keras.Variable], replicas: "Replicas") -> None:
     """Stops with a one-line error unless every process has variables of these paths and shapes.
 
     A collective over variables that differ would hang or fail deep inside TensorFlow.
     """
     signature = [(v.path, tuple(v.shape), str(v.dtype)) for v in variables]
-    signatures = strategy.allgather_object(signature)
+    signatures = replicas.allgather_object(signature)
     for rank, other in enumerate(signatures):
         if other != signatures[0]:
             raise KerasDistError(

@@ -75,14 +75,14 @@ class PreemptionNotice(keras.callbacks.Callback):
     meanwhile; elsewhere a signal acts as it would without keras_dist.
 
     Args:
-        strategy: the active keras_dist strategy.
+        replicas: the job as this process sees it (`Replicas`).
         backup_seconds: where set (the backups of `--backup-dir`), the chief also asks
             for a backup once this many seconds have passed since the last one.
     """
 
-    def __init__(self, strategy: "Replicas", backup_seconds: float | None = None) -> None:
+    def __init__(self, replicas: "Replicas", backup_seconds: float | None = None) -> None:
         super().__init__()
-        self.strategy, self.backup_seconds = strategy, backup_seconds
+        self.replicas, self.backup_seconds = replicas, backup_seconds
         # Where the backup at the agreed step goes (`ResumePoint`); None: nothing is saved.
         self.saved_in: str | None = None
         # The agreed step was an epoch's last: the save, and the exit, come at its end.
@@ -130,7 +130,7 @@ class PreemptionNotice(keras.callbacks.Callback):
         steps, started = self._last_check
         now = time.monotonic()
         interval = 0
-        if self.strategy.is_chief:
+        if self.replicas.is_chief:
             per_step = (now - started) / max(1, self._steps - steps)
             # Doubling at most from one check to the next: first steps can be faster than
             # the ones that follow (an eager step before the input pipeline fills).
@@ -139,7 +139,7 @@ class PreemptionNotice(keras.callbacks.Callback):
         else:
             time_due = False
         usr1 = self.received is not None and self.received == getattr(signal, "SIGUSR1", None)
-        noticed, due, interval, requeue = self.strategy.sum_arrays(
+        noticed, due, interval, requeue = self.replicas.sum_arrays(
             [np.array([self.received is not None, time_due, interval, usr1], dtype=np.float64)])[0]
         self._last_check, self._interval = (self._steps, now), int(interval)
         self._next_check = self._steps + self._interval
@@ -159,7 +159,7 @@ class PreemptionNotice(keras.callbacks.Callback):
         """Ends this process after the agreed step, with `PREEMPTED_EXIT_CODE`, once its backup is on disk."""
         self._restore_handlers()
         background_writes.wait_for_all()
-        if self.strategy.is_chief:
+        if self.replicas.is_chief:
             if self.saved_in:
                 logger.warning("keras_dist: stopped at the preemption notice; the state is saved in %s and the next "
                                "run resumes there (exit %s)", self.saved_in, PREEMPTED_EXIT_CODE)
@@ -168,7 +168,7 @@ class PreemptionNotice(keras.callbacks.Callback):
                                "keras-dist launch --backup-dir DIR (or KERAS_DIST_BACKUP_DIR) to resume from here "
                                "(exit %s)", PREEMPTED_EXIT_CODE)
             if self.saved_in and self.requeue:
-                requeue_slurm_job(self.strategy.settings)
+                requeue_slurm_job(self.replicas.settings)
         sys.stdout.flush()
         sys.stderr.flush()
         raise SystemExit(PREEMPTED_EXIT_CODE)

@@ -102,7 +102,7 @@ class ResumePoint(keras.callbacks.Callback):
     process learns the position, and the epoch starts at the next step.
 
     Args:
-        strategy: the active keras_dist strategy.
+        replicas: the job as this process sees it (`Replicas`).
         backup: the `BackupAndRestore` this worker runs (the chief's writes; a stand-in's
             takes part in collective saves), or where it runs none, the script's, for
             its schedule.
@@ -114,10 +114,10 @@ class ResumePoint(keras.callbacks.Callback):
             it asks for, the backup saves (the notice then ends the process).
     """
 
-    def __init__(self, strategy: "Replicas", backup: keras.callbacks.BackupAndRestore, position: EpochPosition,
+    def __init__(self, replicas: "Replicas", backup: keras.callbacks.BackupAndRestore, position: EpochPosition,
                  callbacks: list, runs_backup: bool, notice: PreemptionNotice) -> None:
         super().__init__()
-        self.strategy, self.backup, self.position, self.runs_backup = strategy, backup, position, runs_backup
+        self.replicas, self.backup, self.position, self.runs_backup = replicas, backup, position, runs_backup
         self.notice = notice
         notice.saved_in = backup.backup_dir
         self.counting = _counting_callbacks(callbacks)
@@ -143,9 +143,9 @@ class ResumePoint(keras.callbacks.Callback):
         return _AfterScriptCallbacks(self)
 
     def restore_position(self) -> None:
-        state = _read_metadata(self.backup) if self.strategy.is_chief else None
-        if self.strategy.size > 1:
-            state = self.strategy.broadcast_object(state)
+        state = _read_metadata(self.backup) if self.replicas.is_chief else None
+        if self.replicas.size > 1:
+            state = self.replicas.broadcast_object(state)
         position = self.position
         position.iterations = 0
         if state is None:
@@ -153,7 +153,7 @@ class ResumePoint(keras.callbacks.Callback):
             return
         position.seed = state["seed"]
         epoch, steps = state["epoch"], state["steps"]
-        shards = self.strategy.input_plan.num_shards
+        shards = self.replicas.input_plan.num_shards
         samples = state.get("samples")
         position.resume_epoch, position.skip = epoch, steps
         # (A backup without the count, written before keras_dist kept it, on the same count.)
@@ -165,7 +165,7 @@ class ResumePoint(keras.callbacks.Callback):
                     f"the backup in {self.backup.backup_dir} was written by {state['shards']} processes; resume it on "
                     f"{state['shards']} (on another number, keras_dist resumes {RESIZABLE_INPUTS})")
             position.skip = resizable.steps - resizable.steps_after(samples)
-            if self.strategy.is_chief:
+            if self.replicas.is_chief:
                 logger.info("keras_dist: the backup was written by %s processes, this run has %s: the batch size per "
                             "replica stays, the rest of epoch %s (%s %s) is split among them",
                             state["shards"], shards, epoch + 1, resizable.length - samples, resizable.unit)
@@ -174,7 +174,7 @@ class ResumePoint(keras.callbacks.Callback):
         self._restored_metrics = state["metrics"] if steps else None
         _set_seed_states(self.model, state["seed_states"])
         random_states = state["random_states"]
-        self._restored_random = random_states[self.strategy.rank % len(random_states)]
+        self._restored_random = random_states[self.replicas.rank % len(random_states)]
         for name, callback in self.counting:
             saved = state["callbacks"].get(name)
             if saved is not None and _keeps_own_state(callback):
@@ -184,7 +184,7 @@ class ResumePoint(keras.callbacks.Callback):
                     setattr(callback, attribute, value)
         # Keras counts epochs from 0 in each fit: its own metadata would say epoch 0.
         keras_internals.set_backup_position(self.backup, epoch=epoch)
-        if self.strategy.is_chief:
+        if self.replicas.is_chief:
             logger.info("keras_dist: fit resumes in epoch %s after step %s, from %s", epoch + 1, steps,
                         self.backup.backup_dir)
 
@@ -192,7 +192,7 @@ class ResumePoint(keras.callbacks.Callback):
         # Before the script's callbacks open their files (this callback is first): a
         # CSVLogger resumed goes on with its file, cut back to the epochs the backup holds,
         # where Keras's would start it again and lose the epochs before the restart.
-        state = _read_metadata(self.backup) if self.strategy.is_chief and self.csv_logs else None
+        state = _read_metadata(self.backup) if self.replicas.is_chief and self.csv_logs else None
         self._csv_appends = [c.append for c in self.csv_logs]
         if state is not None:
             for csv_log in self.csv_logs:
@@ -211,7 +211,7 @@ class ResumePoint(keras.callbacks.Callback):
             return
         variables = [v for m in self.model.metrics for v in m.variables]
         if self._restored_metrics is not None and len(variables) == len(self._restored_metrics):
-            self.strategy.assign_metric_states(variables, [np.asarray(a) for a in self._restored_metrics])
+            self.replicas.assign_metric_states(variables, [np.asarray(a) for a in self._restored_metrics])
             self._restored_metrics = None
         # Else Keras builds the compiled metrics in the first step (TensorFlow without a
         # tf.distribute strategy, as under Horovod): they are restored after it.
@@ -241,7 +241,7 @@ class ResumePoint(keras.callbacks.Callback):
         if len(variables) != len(self._restored_metrics):
             raise KerasDistError(f"the backup in {self.backup.backup_dir} holds {len(self._restored_metrics)} metric "
                                  f"states and the model has {len(variables)}; resume with the metrics it was saved with")
-        if self.strategy.is_chief:
+        if self.replicas.is_chief:
             for variable, restored in zip(variables, self._restored_metrics):
                 variable.assign(keras.ops.convert_to_numpy(variable.value) + np.asarray(restored))
         self._restored_metrics = None
@@ -305,14 +305,14 @@ class ResumePoint(keras.callbacks.Callback):
         """The position, and what differs from process to process, gathered (a collective)."""
         model = self.model
         variables = [v for m in model.metrics for v in m.variables] if steps else []
-        metrics = self.strategy.global_metric_states(variables) if variables else []
+        metrics = self.replicas.global_metric_states(variables) if variables else []
         step_samples = self.position.step_samples
         return {"epoch": epoch, "steps": steps, "seed": self.position.seed,
-                "shards": self.strategy.input_plan.num_shards,
+                "shards": self.replicas.input_plan.num_shards,
                 "samples": None if step_samples is None else
                 self.position.first_sample(epoch) + (steps - self.position.first_step(epoch)) * step_samples,
                 "metrics": [np.asarray(m).tolist() for m in metrics],
-                "random_states": self.strategy.allgather_object(_global_random_states())}
+                "random_states": self.replicas.allgather_object(_global_random_states())}
 
 
 class _AfterScriptCallbacks(keras.callbacks.Callback):

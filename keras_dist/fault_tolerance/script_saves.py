@@ -53,33 +53,33 @@ _STARTED = time.time()
 _CLOCK_SLACK_SECONDS = 1.0
 
 
-def install(model: keras.Model, strategy: "Replicas") -> None:
+def install(model: keras.Model, replicas: "Replicas") -> None:
     """Makes `model.save`, `save_weights` and `export` write once, from the chief (a job of
     several processes; one process keeps Keras's own methods)."""
-    if strategy.size == 1:
+    if replicas.size == 1:
         return
     for name in SAVING_METHODS:
         keras_method = getattr(type(model), name, None)
         if keras_method is not None:
-            override(model, name, _once_from_the_chief(model, strategy, keras_method.__get__(model)))
+            override(model, name, _once_from_the_chief(model, replicas, keras_method.__get__(model)))
 
 
-def _once_from_the_chief(model: keras.Model, strategy: "Replicas", keras_method: Callable[..., Any]) -> Callable[..., Any]:
+def _once_from_the_chief(model: keras.Model, replicas: "Replicas", keras_method: Callable[..., Any]) -> Callable[..., Any]:
     def save(filepath: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(filepath, (str, os.PathLike)):  # a file object: this process's own
-            with strategy.process_local_steps(model):
+            with replicas.process_local_steps(model):
                 return keras_method(filepath, *args, **kwargs)
         if "://" in os.fspath(filepath):  # Keras writes it through its own file layer: the chief's alone
-            if not strategy.is_chief:
+            if not replicas.is_chief:
                 return None
-            with strategy.process_local_steps(model):
+            with replicas.process_local_steps(model):
                 return keras_method(filepath, *args, **kwargs)
         path = os.path.abspath(os.fspath(filepath))
         count = count_save(path)
-        if not strategy.is_chief:
-            wait_for_chief(path, count, strategy)
+        if not replicas.is_chief:
+            wait_for_chief(path, count, replicas)
             return None
-        with strategy.process_local_steps(model):
+        with replicas.process_local_steps(model):
             result = _write_committed(path, keras_method, args, kwargs)
         record_commit(path, count)
         return result
@@ -180,10 +180,10 @@ def _staging_size(path: str) -> int:
     return total
 
 
-def wait_for_chief(path: str, count: int, strategy: "Replicas") -> None:
+def wait_for_chief(path: str, count: int, replicas: "Replicas") -> None:
     """Returns once the chief has committed its `count`-th save of `path`; one line after
     the step timeout's first value without it (or without its save growing on disk)."""
-    timeout, rank = strategy.step_timeout.first, strategy.rank
+    timeout, rank = replicas.step_timeout.first, replicas.rank
     deadline, size = time.monotonic() + timeout, _staging_size(path)
     while _committed(path) < count:
         now = time.monotonic()

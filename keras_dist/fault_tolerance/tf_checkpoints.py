@@ -32,18 +32,18 @@ from keras_dist.overrides import override
 if TYPE_CHECKING:
     from keras_dist.replicas import Replicas
 
-def watch(strategy: "Replicas") -> None:
+def watch(replicas: "Replicas") -> None:
     """In a job of several TensorFlow processes: makes each `tf.train.Checkpoint` write once,
     from the chief, from its first `save` or `restore` on."""
     import keras
 
-    if strategy.size == 1 or keras.backend.backend() != "tensorflow":
+    if replicas.size == 1 or keras.backend.backend() != "tensorflow":
         return
 
     def notice_checkpoint() -> None:
         checkpoint = _checkpoint_creating_its_save_counter()
         if checkpoint is not None:
-            override(checkpoint, "_write", _once_from_the_chief(strategy, checkpoint._write))
+            override(checkpoint, "_write", _once_from_the_chief(replicas, checkpoint._write))
 
     variable_creation.watch(notice_checkpoint)
 
@@ -66,15 +66,15 @@ def _checkpoint_creating_its_save_counter() -> Any:
     return None if frame is None else frame.f_locals.get("self")
 
 
-def _once_from_the_chief(strategy: "Replicas", tensorflow_write: Any) -> Any:
+def _once_from_the_chief(replicas: "Replicas", tensorflow_write: Any) -> Any:
     def write(file_prefix: Any, options: Any = None) -> Any:
         if not isinstance(file_prefix, (str, os.PathLike)) or "://" in os.fspath(file_prefix):
             # A tensor (graph mode), or a path TensorFlow's own file layer writes: as TensorFlow does.
             return tensorflow_write(file_prefix, options=options)
         path = os.path.abspath(os.fspath(file_prefix))
         count = count_save(path)
-        if not strategy.is_chief:
-            wait_for_chief(f"{path}.index", count, strategy)
+        if not replicas.is_chief:
+            wait_for_chief(f"{path}.index", count, replicas)
             return os.fspath(file_prefix)
         saved = tensorflow_write(file_prefix, options=options)
         record_commit(f"{path}.index", count)
