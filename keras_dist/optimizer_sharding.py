@@ -116,7 +116,7 @@ def gather_whole_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> 
             continue
         source = owner[key[1]]
         value = keras.ops.convert_to_numpy(mine[key].value) if replicas.rank == source else None
-        yield replicas.broadcast_object(value, source)
+        yield replicas.collectives.broadcast_object(value, source)
 
 
 def attach_state(optimizer: keras.optimizers.Optimizer, state: ShardedState) -> None:
@@ -162,7 +162,7 @@ def share_loaded_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> 
     `BackupAndRestore` restoring at fit's start: the others' stand-ins read nothing);
     collective: every process calls it."""
     state = sharded_state(optimizer)
-    whole = replicas.broadcast_object(state.loaded if replicas.is_chief else None)
+    whole = replicas.collectives.broadcast_object(state.loaded if replicas.is_chief else None)
     if whole is not None:
         optimizer.load_own_variables({str(position): value for position, value in enumerate(whole)})
     state.loaded = None

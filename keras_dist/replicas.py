@@ -20,6 +20,7 @@ import numpy as np
 if TYPE_CHECKING:
     import keras
 
+    from keras_dist.collectives import Collectives
     from keras_dist.environments import ClusterEnvironment
     from keras_dist.settings import Settings
     from keras_dist.timeouts import StepTimeout
@@ -101,29 +102,9 @@ class Replicas(abc.ABC):
         return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
 
     # --- host collectives -------------------------------------------------------
-    @abc.abstractmethod
-    def allgather_object(self, obj: Any) -> list:
-        """Every process's `obj`, in rank order, on every process."""
-
-    @abc.abstractmethod
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        """`root`'s `obj` on every process."""
-
-    @abc.abstractmethod
-    def broadcast_variables(self, variables: Sequence["keras.Variable"], root: int = 0) -> None:
-        """Overwrites `variables` on every process with their values on `root`."""
-
-    @abc.abstractmethod
-    def allgather_array(self, array: np.ndarray) -> np.ndarray:
-        """Concatenates NumPy arrays of possibly different lengths, in rank order."""
-
-    @abc.abstractmethod
-    def sum_arrays(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        """Each NumPy array summed over processes (same shapes on every process), as a list."""
-
-    @abc.abstractmethod
-    def barrier(self) -> None:
-        """Returns once every process has called it."""
+    # The job's processes' host-side collectives (all-gather, broadcast, sum, barrier), run
+    # eagerly on host values: the one interface for them (`keras_dist.collectives`).
+    collectives: "Collectives"
 
     # --- metric states ------------------------------------------------------------
     def global_metric_states(self, variables: Sequence["keras.Variable"]) -> list:
@@ -133,7 +114,7 @@ class Replicas(abc.ABC):
         """
         import keras
 
-        return self.sum_arrays([keras.ops.convert_to_numpy(v.value) for v in variables])
+        return self.collectives.sum_arrays([keras.ops.convert_to_numpy(v.value) for v in variables])
 
     def assign_metric_states(self, variables: Sequence["keras.Variable"], global_states: Sequence[np.ndarray]) -> None:
         """Sets metric state `variables` so that their sum over processes is `global_states`

@@ -98,7 +98,7 @@ def share_random_seed(strategy: "Strategy") -> None:
     from keras_dist import keras_internals
 
     # Drawn from the OS, not from the generators the seed is about to reset.
-    chief_seed = strategy.broadcast_object(int.from_bytes(os.urandom(4), "little") if strategy.is_chief else None)
+    chief_seed = strategy.collectives.broadcast_object(int.from_bytes(os.urandom(4), "little") if strategy.is_chief else None)
     if keras_internals.get_random_seed() is not None:
         return  # the script's own seed wins
     keras_internals.set_global_random_seed(chief_seed)

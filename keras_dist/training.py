@@ -144,7 +144,7 @@ class DistributedTraining:
         if self.strategy.size > 1:
             # The chief's checkpoints are committed before any process goes on: a script that
             # loads the best one right after fit reads the same file everywhere (issue 46).
-            self.strategy.barrier()
+            self.strategy.collectives.barrier()
         self.synced = True
         return history
 
@@ -232,7 +232,7 @@ class DistributedTraining:
         """Sums metric states in every train step only if some worker's callback reads batch logs."""
         local = any(reads_batch_logs(c, TRAIN_BATCH_HOOKS) for c in callbacks)
         # Agreed by all: a step's collectives must match on every worker.
-        needed = any(self.strategy.allgather_object(local)) if self.strategy.size > 1 else local
+        needed = any(self.strategy.collectives.allgather_object(local)) if self.strategy.size > 1 else local
         if needed != self.global_batch_logs:
             self.global_batch_logs = needed
             self.model.train_function = None  # traced again with the other choice

@@ -931,7 +931,7 @@ def test_symbolic_build_takes_the_epoch_iterator():
         assert len(called) == 1 and called[0] is not None
 
 
-def test_get_file_code(tmp_path):
+def test_loaded_get_file_code(tmp_path):
     """`keras.utils.get_file` first makes its cache directory (its local `datadir`), where
     `keras_dist.downloads` sees it from a Python audit hook."""
     from keras_dist import downloads

@@ -32,7 +32,7 @@ class ReplicaCheck(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         average_statistics(self.model, self.replicas)
-        digests = self.replicas.allgather_object(weights_digest(self.replicas.replicated_weights(
+        digests = self.replicas.collectives.allgather_object(weights_digest(self.replicas.replicated_weights(
             self.model.trainable_weights)))
         differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
         if differing:
@@ -57,6 +57,6 @@ def average_statistics(model: keras.Model, replicas: "Replicas") -> None:
     statistics = [w for w in model.non_trainable_weights if "float" in str(w.dtype)]
     if not statistics:
         return
-    sums = replicas.sum_arrays([keras.ops.convert_to_numpy(w) for w in statistics])
+    sums = replicas.collectives.sum_arrays([keras.ops.convert_to_numpy(w) for w in statistics])
     for weight, total in zip(statistics, sums):
         weight.assign(total / replicas.size)

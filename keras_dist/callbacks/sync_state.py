@@ -35,7 +35,7 @@ class SyncInitialState(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         sync_model_state(self.model, self.replicas)
         # BackupAndRestore (chief only) sets the epoch to resume from.
-        chiefs = self.replicas.broadcast_object(keras_internals.initial_epoch(self.model))
+        chiefs = self.replicas.collectives.broadcast_object(keras_internals.initial_epoch(self.model))
         keras_internals.set_initial_epoch(self.model, chiefs)
 
 
@@ -57,7 +57,7 @@ def sync_model_state(model: keras.Model, replicas: "Replicas") -> None:
     optimizer_variables = [v for o in built if o not in sharded for v in o.variables]
     variables = list(model.weights) + optimizer_variables
     check_same_variables(variables, replicas)
-    digests = replicas.allgather_object((weights_digest(model.weights), weights_digest(optimizer_variables)))
+    digests = replicas.collectives.allgather_object((weights_digest(model.weights), weights_digest(optimizer_variables)))
     differing = [rank for rank, digest in enumerate(digests) if digest[0] != digests[0][0]]
     if differing:
         logger.info("the weights of rank(s) %s differed from the chief's before training; all now start from the "
@@ -65,7 +65,7 @@ def sync_model_state(model: keras.Model, replicas: "Replicas") -> None:
     # Where every process holds the chief's state already (the job's shared seed), nothing is
     # sent: a broadcast of the whole model and optimizer state doubled a JAX process's peak memory.
     if any(digest != digests[0] for digest in digests):
-        replicas.broadcast_variables(variables)
+        replicas.collectives.broadcast_variables(variables)
     for optimizer in sharded:
         optimizer_sharding.share_loaded_state(optimizer, replicas)
     replicas.after_initial_sync(model)
@@ -77,7 +77,7 @@ def check_same_variables(variables: Iterable[keras.Variable], replicas: "Replica
     A collective over variables that differ would hang or fail deep inside TensorFlow.
     """
     signature = [(v.path, tuple(v.shape), str(v.dtype)) for v in variables]
-    signatures = replicas.allgather_object(signature)
+    signatures = replicas.collectives.allgather_object(signature)
     for rank, other in enumerate(signatures):
         if other != signatures[0]:
             raise KerasDistError(

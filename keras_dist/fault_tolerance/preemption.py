@@ -139,7 +139,7 @@ class PreemptionNotice(keras.callbacks.Callback):
         else:
             time_due = False
         usr1 = self.received is not None and self.received == getattr(signal, "SIGUSR1", None)
-        noticed, due, interval, requeue = self.replicas.sum_arrays(
+        noticed, due, interval, requeue = self.replicas.collectives.sum_arrays(
             [np.array([self.received is not None, time_due, interval, usr1], dtype=np.float64)])[0]
         self._last_check, self._interval = (self._steps, now), int(interval)
         self._next_check = self._steps + self._interval

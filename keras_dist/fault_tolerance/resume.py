@@ -145,7 +145,7 @@ class ResumePoint(keras.callbacks.Callback):
     def restore_position(self) -> None:
         state = _read_metadata(self.backup) if self.replicas.is_chief else None
         if self.replicas.size > 1:
-            state = self.replicas.broadcast_object(state)
+            state = self.replicas.collectives.broadcast_object(state)
         position = self.position
         position.iterations = 0
         if state is None:
@@ -312,7 +312,7 @@ class ResumePoint(keras.callbacks.Callback):
                 "samples": None if step_samples is None else
                 self.position.first_sample(epoch) + (steps - self.position.first_step(epoch)) * step_samples,
                 "metrics": [np.asarray(m).tolist() for m in metrics],
-                "random_states": self.replicas.allgather_object(_global_random_states())}
+                "random_states": self.replicas.collectives.allgather_object(_global_random_states())}
 
 
 class _AfterScriptCallbacks(keras.callbacks.Callback):

@@ -28,6 +28,7 @@ methods, so it writes from every process that calls it; `docs/semantics.md` says
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -75,13 +76,13 @@ def _once_from_the_chief(model: keras.Model, replicas: "Replicas", keras_method:
             with replicas.process_local_steps(model):
                 return keras_method(filepath, *args, **kwargs)
         path = os.path.abspath(os.fspath(filepath))
-        count = count_save(path)
+        count, record = count_save(path), CommitRecord.on_file(path)
         if not replicas.is_chief:
-            wait_for_chief(path, count, replicas)
+            wait_for_chief(record, count, replicas)
             return None
         with replicas.process_local_steps(model):
             result = _write_committed(path, keras_method, args, kwargs)
-        record_commit(path, count)
+        record_commit(record, count)
         return result
 
     return save
@@ -133,33 +134,55 @@ def _move_into_place(source: str, target: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _record_path(path: str) -> str:
-    directory, name = os.path.split(path)
-    return os.path.join(directory, RECORD_PREFIX + name)
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """Where the chief records how many saves of one thing it has committed.
+
+    Args:
+        saved: the path the script saves (for messages, and the chief's staging beside it).
+        holder: the file or directory whose extended attribute `attribute` holds the record.
+        fallback: the file that holds it where the file system keeps no extended attributes.
+    """
+
+    saved: str
+    holder: str
+    attribute: str
+    fallback: str
+
+    @classmethod
+    def on_file(cls, path: str) -> "CommitRecord":
+        """The record of the saves of `path`, on `path` itself."""
+        directory, name = os.path.split(path)
+        return cls(path, path, RECORD_ATTRIBUTE, os.path.join(directory, RECORD_PREFIX + name))
+
+    @classmethod
+    def in_directory(cls, saved: str, directory: str, series: str) -> "CommitRecord":
+        """The record of a series of saves into `directory` (files the chief may delete later,
+        as a checkpoint manager does), on `directory`."""
+        return cls(saved, directory, f"{RECORD_ATTRIBUTE}.{series}", os.path.join(directory, RECORD_PREFIX + series))
 
 
-def record_commit(path: str, count: int) -> None:
-    """Says, on `path` (else beside it), that the chief's first `count` saves of it are committed."""
+def record_commit(record: CommitRecord, count: int) -> None:
+    """Says, in `record`, that the chief's first `count` saves are committed."""
     value = json.dumps({"committed": count, "at": time.time()}).encode()
     try:
-        os.setxattr(path, RECORD_ATTRIBUTE, value)
+        os.setxattr(record.holder, record.attribute, value)
         return
     except (OSError, AttributeError):  # no extended attributes here (or no os.setxattr: not Linux)
         pass
-    record = _record_path(path)
-    partial = f"{record}.{os.getpid()}"
+    partial = f"{record.fallback}.{os.getpid()}"
     with open(partial, "wb") as f:
         f.write(value)
-    publish(partial, record)
+    publish(partial, record.fallback)
 
 
-def _committed(path: str) -> int:
-    """The saves of `path` the chief committed in this run (0: none yet, or a record of a run before)."""
-    for read in (lambda: os.getxattr(path, RECORD_ATTRIBUTE), lambda: _read_bytes(_record_path(path))):
+def _committed(record: CommitRecord) -> int:
+    """The saves the chief committed in this run (0: none yet, or a record of a run before)."""
+    for read in (lambda: os.getxattr(record.holder, record.attribute), lambda: _read_bytes(record.fallback)):
         with contextlib.suppress(OSError, ValueError, KeyError, AttributeError):
-            record = json.loads(read())
-            if record["at"] >= _STARTED - _CLOCK_SLACK_SECONDS:
-                return int(record["committed"])
+            value = json.loads(read())
+            if value["at"] >= _STARTED - _CLOCK_SLACK_SECONDS:
+                return int(value["committed"])
     return 0
 
 
@@ -180,12 +203,12 @@ def _staging_size(path: str) -> int:
     return total
 
 
-def wait_for_chief(path: str, count: int, replicas: "Replicas") -> None:
-    """Returns once the chief has committed its `count`-th save of `path`; one line after
+def wait_for_chief(record: CommitRecord, count: int, replicas: "Replicas") -> None:
+    """Returns once the chief has committed its `count`-th save (`record`); one line after
     the step timeout's first value without it (or without its save growing on disk)."""
-    timeout, rank = replicas.step_timeout.first, replicas.rank
+    timeout, rank, path = replicas.step_timeout.first, replicas.rank, record.saved
     deadline, size = time.monotonic() + timeout, _staging_size(path)
-    while _committed(path) < count:
+    while _committed(record) < count:
         now = time.monotonic()
         if now > deadline:
             grown = _staging_size(path)

@@ -9,8 +9,9 @@ object's `_write`, which `Checkpoint.save`, `Checkpoint.write` and `CheckpointMa
 all end in:
 
 * the chief writes as TensorFlow does (its files, then the manager's `checkpoint` state
-  file), then records the commit on the index file, as `script_saves` does for
-  `model.save`;
+  file), then records how many saves of that series (directory and name, less the number
+  `save` appends) it has committed, on the directory: the manager deletes old files, and
+  a process running behind may wait for one already deleted;
 * every other process writes nothing: it waits for that record and returns the same path,
   so its next line may restore it. The manager's bookkeeping (its state file, deleting
   old checkpoints) is the chief's alone, so another process's `manager.latest_checkpoint`
@@ -22,11 +23,12 @@ process writes it (`docs/semantics.md`).
 """
 
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
 from keras_dist import variable_creation
-from keras_dist.fault_tolerance.script_saves import count_save, record_commit, wait_for_chief
+from keras_dist.fault_tolerance.script_saves import CommitRecord, count_save, record_commit, wait_for_chief
 from keras_dist.overrides import override
 
 if TYPE_CHECKING:
@@ -72,12 +74,16 @@ def _once_from_the_chief(replicas: "Replicas", tensorflow_write: Any) -> Any:
             # A tensor (graph mode), or a path TensorFlow's own file layer writes: as TensorFlow does.
             return tensorflow_write(file_prefix, options=options)
         path = os.path.abspath(os.fspath(file_prefix))
-        count = count_save(path)
+        directory, name = os.path.split(path)
+        # One series per directory and name: `save` numbers its files (ckpt-1, ckpt-2), and a
+        # manager deletes old ones, so the record is on the directory, not on a file.
+        series = re.sub(r"-\d+$", "", name)
+        count, record = count_save(os.path.join(directory, series)), CommitRecord.in_directory(path, directory, series)
         if not replicas.is_chief:
-            wait_for_chief(f"{path}.index", count, replicas)
+            wait_for_chief(record, count, replicas)
             return os.fspath(file_prefix)
         saved = tensorflow_write(file_prefix, options=options)
-        record_commit(f"{path}.index", count)
+        record_commit(record, count)
         return saved
 
     return write

@@ -152,7 +152,7 @@ def dataset_share(replicas: "Replicas", dataset: Any, training: bool) -> Any:
 
     plan = replicas.input_plan
     share, _ = tf_data.shard_dataset(dataset, plan.num_shards, plan.shard_index, training, plan.batch_multiplier,
-                                     allgather=replicas.allgather_object)
+                                     allgather=replicas.collectives.allgather_object)
     return share
 
 

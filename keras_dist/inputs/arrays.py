@@ -303,8 +303,8 @@ class EpochBatches(keras_internals.data_adapter_class()):
 
 def allgather_parts(replicas: "Replicas", leaf: Any) -> list[np.ndarray]:
     """Every process's `leaf` (first dimensions may differ), in rank order."""
-    counts = replicas.allgather_object(len(leaf))
-    stacked = replicas.allgather_array(np.asarray(leaf))
+    counts = replicas.collectives.allgather_object(len(leaf))
+    stacked = replicas.collectives.allgather_array(np.asarray(leaf))
     return np.split(stacked, np.cumsum(counts)[:-1])
 
 

@@ -144,4 +144,4 @@ def job_seed(replicas: "Replicas") -> int:
     script_seed = get_random_seed()
     base = int.from_bytes(os.urandom(4), "little") if script_seed is None else script_seed
     seed = int(np.random.SeedSequence([base, next(_calls)]).generate_state(1)[0])
-    return replicas.broadcast_object(seed)
+    return replicas.collectives.broadcast_object(seed)

@@ -41,7 +41,7 @@ class PyDatasetKind(InputKind):
     def gather(self, replicas: "Replicas", data: Inputs, outputs: Any) -> Any:
         """Predictions of consecutive runs of batches: concatenated in rank order."""
         if isinstance(data.x, ShardedPyDataset):
-            return tree.map_structure(lambda leaf: replicas.allgather_array(np.asarray(leaf)), outputs)
+            return tree.map_structure(lambda leaf: replicas.collectives.allgather_array(np.asarray(leaf)), outputs)
         return gather_interleaved(replicas, outputs, replicas.input_plan.num_shards, data.samples)
 
 

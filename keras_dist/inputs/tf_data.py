@@ -66,7 +66,7 @@ class TFDataKind(InterleavedOutputs):
             raise KerasDistError(f"the dataset is infinite (it repeats); pass {STEPS[purpose]} to {caller}")
         share, equal_steps = shard_dataset(source, plan.num_shards, plan.shard_index, pad and data.steps is None,
                                            plan.batch_multiplier, files=purpose != "predict",
-                                           allgather=replicas.allgather_object)
+                                           allgather=replicas.collectives.allgather_object)
         if may_stand_in(plan, pad) and is_empty(share):
             share = source.take(1)  # the first batch stands in for an empty share
             data = dataclasses.replace(data, stand_in=True)

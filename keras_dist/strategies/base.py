@@ -22,8 +22,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from keras_dist import timeouts
 from keras_dist.collectives import SINGLE, Collectives
 from keras_dist.environments import ClusterEnvironment, LocalEnvironment
@@ -204,25 +202,6 @@ class Strategy(Replicas):
         stand_in = ScratchCallback(callback)
         self.chief_file_callback(stand_in.inner)
         return stand_in
-
-    # --- host collectives (`Replicas`'s), through `self.collectives` ----------------
-    def allgather_object(self, obj: Any) -> list:
-        return self.collectives.allgather_object(obj)
-
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        return self.collectives.broadcast_object(obj, root)
-
-    def broadcast_variables(self, variables: Sequence["keras.Variable"], root: int = 0) -> None:
-        self.collectives.broadcast_variables(variables, root)
-
-    def allgather_array(self, array: np.ndarray) -> np.ndarray:
-        return self.collectives.allgather_array(array)
-
-    def sum_arrays(self, arrays: Sequence[Any]) -> list[np.ndarray]:
-        return self.collectives.sum_arrays(arrays)
-
-    def barrier(self) -> None:
-        self.collectives.barrier()
 
     def describe(self) -> dict:
         return {**super().describe(), **self.collectives.describe()}

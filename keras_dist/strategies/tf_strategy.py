@@ -62,7 +62,7 @@ class TFDistributeStrategy(Strategy):
                 return np.sum([np.asarray(part) for part in self.strategy.experimental_local_results(value)], axis=0)
             return np.asarray(value)
 
-        return self.sum_arrays([this_process(v) for v in variables])
+        return self.collectives.sum_arrays([this_process(v) for v in variables])
 
     def assign_metric_states(self, variables: Sequence["keras.Variable"], global_states: Sequence["np.ndarray"]) -> None:
         """The chief holds the states, the others zero, as every strategy does; but a value

@@ -27,6 +27,7 @@ from keras import tree
 from keras_dist import inputs
 from keras_dist.errors import KerasDistError
 from keras_dist.inputs.generators import reassemble
+from keras_dist.collectives import Collectives
 from keras_dist.inputs.position import EpochPosition
 from keras_dist.replicas import Replicas
 
@@ -52,6 +53,14 @@ class SimulatedRank(Replicas):
     @property
     def size(self):
         return self._size
+
+    @property
+    def collectives(self):
+        return NoCollectives()
+
+
+class NoCollectives(Collectives):
+    """Collectives that fail the case: the simulated ranks run alone."""
 
     def allgather_object(self, *args, **kwargs):
         raise AssertionError("arrays are split without collectives")

@@ -310,7 +310,7 @@ def pattern_save_and_load():
     if CHIEF:
         model.save(path)
     if ctx is not None:
-        ctx.barrier()
+        ctx.collectives.barrier()
     loaded = keras.models.load_model(path)
     compile(loaded, optimizer=loaded.optimizer, loss=loss(), metrics=["accuracy"])  # resume training it
     more = loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
