@@ -802,7 +802,7 @@ def test_save_method(tmp_path):
 
 def test_callback_model():
     with canary("keras.src.callbacks.Callback._model",
-                "keras_dist.strategies.scratch copies a callback, not its model, with it"):
+                "keras_dist.fault_tolerance.scratch copies a callback, not its model, with it"):
         callback, model = keras.callbacks.Callback(), tiny_model()
         assert keras_internals.callback_model(callback) is None
         callback.set_model(model)

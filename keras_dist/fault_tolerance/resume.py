@@ -75,7 +75,7 @@ class FollowEpochs(keras.callbacks.Callback):
 
 def backup_of(callbacks: list) -> keras.callbacks.BackupAndRestore | None:
     """The `BackupAndRestore` among `callbacks`, if any (inside a worker's stand-in too,
-    `keras_dist.strategies.scratch.ScratchCallback`)."""
+    `keras_dist.fault_tolerance.scratch.ScratchCallback`)."""
     return next((c for c in (getattr(c, "inner", c) for c in callbacks)
                  if isinstance(c, keras.callbacks.BackupAndRestore)), None)
 

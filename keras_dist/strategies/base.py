@@ -197,7 +197,7 @@ class Strategy(Replicas):
         return tensors
 
     def collective_save_stand_in(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
-        from keras_dist.strategies.scratch import ScratchCallback
+        from keras_dist.fault_tolerance.scratch import ScratchCallback
 
         stand_in = ScratchCallback(callback)
         self.chief_file_callback(stand_in.inner)

@@ -20,7 +20,7 @@ from keras_dist.collectives.tf_distribute import TFDistribute
 from keras_dist.replicas import InputPlan
 from keras_dist.strategies.base import bucket_bytes
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
-from keras_dist.strategies.scratch import ScratchCallback
+from keras_dist.fault_tolerance.scratch import ScratchCallback
 from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, detected_cluster, threads_per_process
 from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.launchers import binding
