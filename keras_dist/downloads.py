@@ -19,9 +19,15 @@ from there the processes of one machine take their turns at that directory:
 * where one process's download failed, each of the others that reaches the same
   `get_file` since it started stops with one line, instead of trying again.
 
+TensorFlow Datasets' `tfds.load` is not covered: it asks whether its data set is
+prepared, and builds its splits from the answer, before its first audit event, so a
+process that waited there would read the splits of a data set not yet prepared.
+
 The turns are `flock`s on files of keras_dist's in this machine's temporary directory
 (`$TMPDIR/keras_dist-UID/downloads`), one pair per cache directory, so they are per
-machine: machines sharing one file system each download once.
+machine: machines sharing one file system each download once. The turns hold a
+process only while it is inside `get_file` (a profile function for that thread, while
+the call runs, tells its return).
 """
 
 import contextlib
@@ -120,8 +126,8 @@ def _flock_waiting(descriptor: int, waiting_for: str) -> None:
             time.sleep(_POLL_SECONDS)
 
 
-# Per thread: whether it is inside a `get_file` it took its turn for.
-_IN_GET_FILE = threading.local()
+# Per thread: whether it is inside a `get_file` it took its turn for (or taking one).
+_IN_TURN = threading.local()
 _HOOKED: list[bool] = []
 
 
@@ -134,14 +140,21 @@ def once_per_machine() -> None:
 
 
 def _on_audit_event(event: str, args: tuple) -> None:
-    if event != "os.mkdir" or getattr(_IN_GET_FILE, "inside", False):
+    if event != "os.mkdir" or getattr(_IN_TURN, "inside", False):
         return
-    frame = _get_file_making_its_directory(os.fsdecode(args[0]))
-    if frame is None:
-        return
-    turn = _Turn(frame.f_locals["datadir"], str(frame.f_locals.get("origin")))
-    turn.take()
-    _IN_GET_FILE.inside = True
+    # From here on, what this hook does raises audit events too (`sys._getframe`, making the
+    # lock files' directory): they return at the line above.
+    _IN_TURN.inside = True
+    try:
+        frame = _get_file_making_its_directory(args[0])
+        if frame is None:
+            _IN_TURN.inside = False
+            return
+        turn = _Turn(frame.f_locals["datadir"], str(frame.f_locals.get("origin")))
+        turn.take()
+    except BaseException:
+        _IN_TURN.inside = False
+        raise
     previous_profile = sys.getprofile()
 
     def on_return(called: FrameType, event: str, value: Any) -> None:
@@ -149,22 +162,25 @@ def _on_audit_event(event: str, args: tuple) -> None:
             previous_profile(called, event, value)
         if called is frame and event == "return":
             sys.setprofile(previous_profile)
-            _IN_GET_FILE.inside = False
-            # `get_file` returns its path; it leaves with None only by raising.
-            turn.give_back(downloaded=value is not None)
+            try:
+                # `get_file` returns its path; it leaves with None only by raising.
+                turn.give_back(downloaded=value is not None)
+            finally:
+                _IN_TURN.inside = False  # after: the frame is still on the stack while it returns
 
-    # A profile function, for this thread and only while `get_file` runs: its return, at once.
+    # A profile function, for this thread and only while the call runs: its return, at once.
     sys.setprofile(on_return)
 
 
-def _get_file_making_its_directory(path: str) -> FrameType | None:
+def _get_file_making_its_directory(path: Any) -> FrameType | None:
     """The frame of Keras's `get_file` if this `os.mkdir` is its `os.makedirs` of its cache directory."""
     from keras_dist import keras_internals
 
     target = keras_internals.loaded_get_file_code()
-    if target is None:
+    if target is None or not isinstance(path, (str, bytes, os.PathLike)):
         return None
-    frame = sys._getframe(2)
+    path = os.fsdecode(path)
+    frame = sys._getframe(1).f_back
     for _ in range(8):  # os.makedirs, recursing once per missing parent
         if frame is None:
             return None
