@@ -121,7 +121,8 @@ def _flock_waiting(descriptor: int, waiting_for: str) -> None:
         except BlockingIOError:
             now = time.monotonic()
             if now - reported >= _REPORT_SECONDS:
-                logger.info("keras_dist: waiting %.0f s so far for %s", now - started, waiting_for)
+                # A warning: on a process other than the chief, informational lines do not show.
+                logger.warning("keras_dist: waiting %.0f s so far for %s", now - started, waiting_for)
                 reported = now
             time.sleep(_POLL_SECONDS)
 
