@@ -31,7 +31,6 @@ the call runs, tells its return).
 """
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -69,6 +68,8 @@ class _Turn:
     def take(self) -> None:
         """Returns once this process may run `get_file`; one line if another process of this job
         failed to download the same file."""
+        import fcntl  # POSIX only: `once_per_machine` hooks nothing where it is missing
+
         fcntl.flock(self.gate, fcntl.LOCK_SH)
         _flock_waiting(self.lock, f"another process of this machine downloading into {self.directory}")
         if self._failed_elsewhere():
@@ -100,6 +101,8 @@ class _Turn:
             failures[self.origin] = [os.getpid(), time.time()]
         os.ftruncate(self.lock, 0)
         os.pwrite(self.lock, json.dumps(failures).encode(), 0)
+        import fcntl
+
         fcntl.flock(self.lock, fcntl.LOCK_UN)
         fcntl.flock(self.gate, fcntl.LOCK_UN)
         _flock_waiting(self.gate, f"the other processes of this machine running get_file into {self.directory}")
@@ -113,6 +116,8 @@ class _Turn:
 
 def _flock_waiting(descriptor: int, waiting_for: str) -> None:
     """Takes an exclusive lock on `descriptor`, with a line every `_REPORT_SECONDS` while it waits."""
+    import fcntl
+
     started = reported = time.monotonic()
     while True:
         try:
@@ -135,6 +140,10 @@ _HOOKED: list[bool] = []
 def once_per_machine() -> None:
     """Makes `keras.utils.get_file` run in turn across the processes of this machine (see the
     module docstring); for a process of a job of several processes."""
+    try:
+        import fcntl  # noqa: F401 -- POSIX only; elsewhere the processes download as without keras_dist
+    except ImportError:
+        return
     if not _HOOKED:
         sys.addaudithook(_on_audit_event)  # cannot be removed; costs a comparison per audit event
         _HOOKED.append(True)
