@@ -54,8 +54,8 @@ def start(backend, directory, *fault):
         # here to keep the suite short.
         commands = [([BIN / "horovodrun", "-np", 2, "-H", "localhost:2", "--gloo", *argv],
                      {"KERAS_DIST_STEP_TIMEOUT": "10"})]
-    else:
-        commands = [(argv, env) for env in runner.tf_config_envs(2)]
+    else:  # the step timeout is TensorFlow's heartbeat timeout, default 30 s; 10 here too
+        commands = [(argv, {**env, "KERAS_DIST_STEP_TIMEOUT": "10"}) for env in runner.tf_config_envs(2)]
     return [subprocess.Popen([str(a) for a in command], env={**base, **QUIET_ENV, **env}, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
             for command, env in commands]

@@ -286,8 +286,8 @@ def test_a_frozen_or_cut_off_host_ends_the_job_in_bounded_time_naming_it(debian_
     under `keras-dist launch --nnodes 2`. With a step timeout of 10 s, the first host's
     process ends within it plus a few seconds, with a one-line error naming the rank and
     host that stopped (JAX: before its own heartbeats abort the process; Horovod: the step
-    timeout is its Gloo timeout; MultiWorkerMirrored: after TensorFlow's heartbeat timeout,
-    10 s, and without its teardown, which waits)."""
+    timeout is its Gloo timeout; MultiWorkerMirrored: it is TensorFlow's heartbeat timeout,
+    and the process ends without TensorFlow's teardown, which waits)."""
     if strategy in ("jax", "torch"):
         pytest.importorskip(strategy)
     bed = debian_hosts
