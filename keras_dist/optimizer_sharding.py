@@ -23,7 +23,7 @@ process holds the whole state at once), so every process takes part: the script'
 and `save_weights`, called on every process, are written by the chief alone while the
 others take part in each variable's gather (`gathering_saves`); fit's checkpoints and
 backups run on the chief while every other process runs a stand-in saving into scratch
-(`Replicas.collective_save_stand_in`), each gathering inside the optimizer's
+(`CheckpointIO.collective_save_stand_in`), each gathering inside the optimizer's
 `save_own_variables`. Loading takes each process's share
 from a whole file; a backup the chief alone restores at fit's start reaches the others'
 shares through `share_loaded_state`.
@@ -143,7 +143,7 @@ def gathering_saves(model: keras.Model, replicas: Any) -> None:
                 return _save(*args, **kwargs)
             try:
                 # In fit (a callback's save), the weights too, where they are split.
-                with replicas.whole_weights(model):
+                with replicas.checkpoint_io.whole_weights(model):
                     if not replicas.is_chief:
                         for _ in state.gather():
                             pass

@@ -4,8 +4,8 @@ A strategy (`keras_dist.strategies`) is an engine adapter: it sets a framework u
 the model under it and reduces gradients. What the rooms under it need of the job is
 smaller, and is this interface: who this process is among how many (topology), the host
 collectives between processes, how the process reads its inputs (`InputPlan`, plain data),
-the metric states of every process's batches, and the file policy for the chief's
-callbacks. Every strategy implements it; so does the tests' simulated rank, which splits
+the metric states of every process's batches, and how its checkpoints are written (a
+part each strategy declares). Every strategy implements it; so does the tests' simulated rank, which splits
 inputs as one rank of a job would without any collective.
 """
 
@@ -106,6 +106,12 @@ class Replicas(abc.ABC):
     # eagerly on host values: the one interface for them (`keras_dist.collectives`).
     collectives: "Collectives"
 
+    # --- checkpoints ---------------------------------------------------------------
+    # How this engine's processes write fit's checkpoints (the chief's callbacks, the
+    # others' stand-ins, weights whole for a save): `fault_tolerance.checkpoint_io.CheckpointIO`,
+    # declared by each strategy (typed loosely: fault_tolerance/ sits above this room).
+    checkpoint_io: Any
+
     # --- metric states ------------------------------------------------------------
     def global_metric_states(self, variables: Sequence["keras.Variable"]) -> list:
         """The values of metric state `variables` over every process's batches, as NumPy arrays.
@@ -133,37 +139,9 @@ class Replicas(abc.ABC):
         global computations, it makes them run on this process's shard alone."""
         return contextlib.nullcontext()
 
-    # --- file policy -------------------------------------------------------------
-    def chief_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
-        """A checkpoint or log callback as the chief runs it."""
-        return callback
-
-    def worker_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback | None":
-        """What a worker other than the chief runs for a checkpoint or log callback: None
-        (the default) to drop it, or a callback that takes part in collective saves
-        without writing the user's files."""
-        return None
-
     def after_initial_sync(self, model: "keras.Model") -> None:
         """Called on every process at fit's start once every process holds the chief's state
         (a restored backup included), before the first step."""
-
-    def whole_weights(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
-        """Context in which the model's weights are whole on every process, where the backend
-        splits them over processes while fit runs (collective: every process enters it)."""
-        return contextlib.nullcontext()
-
-    def replicated_weights(self, weights: Sequence["keras.Variable"]) -> list:
-        """Those of `weights` each process holds a copy of, which can differ across processes
-        (not those split over them, of which there is one)."""
-        return list(weights)
-
-    def collective_save_stand_in(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
-        """What a worker other than the chief runs for a `ModelCheckpoint` or `BackupAndRestore`
-        where the model's saves are collective (its optimizer's state sharded: each save
-        gathers every process's share): a copy saving into a scratch directory of its own,
-        run as the chief runs its own saves."""
-        raise NotImplementedError
 
     def describe(self) -> dict:
         return {"backend": self.name, "rank": self.rank, "size": self.size,

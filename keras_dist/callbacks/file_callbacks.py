@@ -66,7 +66,7 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
         replicas: the job as this process sees it (`Replicas`).
         collective_saves: the model's saves gather every process's share of its state
             (`shard="optimizer"`): a worker runs a stand-in of each checkpoint and backup
-            (`Replicas.collective_save_stand_in`).
+            (`CheckpointIO.collective_save_stand_in`).
 
     Returns:
         A new list. On the chief, every callback, checkpoints written atomically
@@ -74,7 +74,7 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
         (`make_log_failures_warn`). On other workers, those passed through `chief_only` are
         left out, and Keras's file-writing callbacks dropped or, where the strategy's
         saves are collective (every worker must take part in a save), replaced by the
-        strategy's stand-in (`Replicas.worker_file_callback`).
+        strategy's stand-in (`CheckpointIO.worker_callback`).
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
@@ -82,10 +82,11 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
     if replicas.is_chief:
         # One process keeps Keras's behaviour for logs: the script sees the error as without keras_dist.
         guard_logs = make_log_failures_warn if replicas.size > 1 else (lambda c: c)
-        return [replicas.chief_file_callback(guard_logs(make_writes_atomic(c)))
+        return [replicas.checkpoint_io.chief_callback(guard_logs(make_writes_atomic(c)))
                 if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks]
-    kept = [replicas.collective_save_stand_in(c) if collective_saves and isinstance(c, _SAVING_CALLBACKS) else
-            replicas.worker_file_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
+    io = replicas.checkpoint_io
+    kept = [io.collective_save_stand_in(c) if collective_saves and isinstance(c, _SAVING_CALLBACKS) else
+            io.worker_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
             if c not in _CHIEF_ONLY]
     return [c for c in kept if c is not None]
 

@@ -32,7 +32,7 @@ class ReplicaCheck(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         average_statistics(self.model, self.replicas)
-        digests = self.replicas.collectives.allgather_object(weights_digest(self.replicas.replicated_weights(
+        digests = self.replicas.collectives.allgather_object(weights_digest(self.replicas.checkpoint_io.replicated_weights(
             self.model.trainable_weights)))
         differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
         if differing:

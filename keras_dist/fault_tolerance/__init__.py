@@ -13,6 +13,8 @@ wires it into `fit`; the inputs start a resumed epoch at its position; the launc
 notices on and restart failed jobs (`keras-dist launch --max-restarts`). The script's own
 saves, on every process, are written once by the chief: `script_saves` for the model's
 `save`/`save_weights`/`export`, `tf_checkpoints` for TensorFlow's `tf.train.Checkpoint`.
-Where a save is a collective (MultiWorkerMirrored, sharded state), the other processes run
-a stand-in of each file callback that saves into a scratch directory (`scratch`).
+How each engine writes `fit`'s checkpoints is the `CheckpointIO` its strategy declares
+(`checkpoint_io`): where a save is a collective (MultiWorkerMirrored, sharded state), the
+other processes run a stand-in of each file callback that saves into a scratch directory
+(`scratch`).
 """

@@ -121,6 +121,10 @@ class Strategy(Replicas):
         self.environment = environment or LocalEnvironment()
         self.settings = chosen or Settings()
         self.step_timeout = timeouts.policy(self.settings)
+        from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO  # imports Keras
+
+        # The chief writes, the others drop file callbacks; engines that save otherwise declare how.
+        self.checkpoint_io = CheckpointIO()
 
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str] | None:
@@ -195,13 +199,6 @@ class Strategy(Replicas):
     def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> Sequence[Any]:
         """Sums a list of tensors over processes inside a train step (a `tf.function`, or an eager torch step)."""
         return tensors
-
-    def collective_save_stand_in(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
-        from keras_dist.fault_tolerance.scratch import ScratchCallback
-
-        stand_in = ScratchCallback(callback)
-        self.chief_file_callback(stand_in.inner)
-        return stand_in
 
     def describe(self) -> dict:
         return {**super().describe(), **self.collectives.describe()}

@@ -42,6 +42,7 @@ from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import Strategy, GradientOptions
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
+from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
 from keras_dist.overrides import override
 from keras_dist.settings import Settings
 
@@ -303,6 +304,9 @@ class JaxDataParallelStrategy(Strategy):
         self._gathers = 0  # `_whole_values` calls so far, which every process counts alike
         # The trainable weights split over the mesh in the fit under way (shard="weights"), by id.
         self._split_weights: dict[int, keras.distribution.TensorLayout] = {}
+        # The chief saves and restores alone, so process-locally.
+        self.checkpoint_io = CheckpointIO(split_weight_ids=lambda: self._split_weights,
+                                          saves_within=self.process_local_steps, restores_within=True)
 
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
@@ -394,9 +398,6 @@ class JaxDataParallelStrategy(Strategy):
         _replicate(_variables_of(model), self._split_weights)
         model.make_train_function(force=True)
 
-    def replicated_weights(self, weights: Sequence[keras.Variable]) -> list:
-        return [w for w in weights if id(w) not in self._split_weights]
-
     def _whole_values(self, variables: Sequence[keras.Variable]) -> Iterator[np.ndarray]:
         """Each variable's whole value in turn, on every process (collective: first every
         process arrives, or the ones that did not are named)."""
@@ -463,25 +464,6 @@ class JaxDataParallelStrategy(Strategy):
             if in_fit is self.distribution:
                 # Those made meanwhile too (a model built by evaluate).
                 _replicate(_variables_of(model), self._split_weights)
-
-    def chief_file_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
-        """The chief saves and restores alone, so process-locally; its other hooks (and
-        the log callbacks, which only read) stay as they are, off the per-batch path."""
-        if getattr(callback, "_keras_dist_saves_locally", False):
-            return callback  # fit called again with the same callback
-        touching = ("_save_model", "on_train_begin") if isinstance(callback, keras.callbacks.BackupAndRestore) else \
-            ("_save_model",)
-        for name in touching:
-            if hasattr(callback, name):
-                step = getattr(callback, name)
-
-                def run_locally(*args, _step=step, **kwargs):
-                    with self.process_local_steps(callback.model):
-                        return _step(*args, **kwargs)
-
-                override(callback, name, run_locally)
-        override(callback, "_keras_dist_saves_locally", True)
-        return callback
 
     def describe(self) -> dict:
         return {**super().describe(), "devices": [str(d) for d in self._jax.devices()]}

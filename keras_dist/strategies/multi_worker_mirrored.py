@@ -20,7 +20,7 @@ from keras_dist.collectives.tf_distribute import TFDistribute
 from keras_dist.replicas import InputPlan
 from keras_dist.strategies.base import bucket_bytes
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
-from keras_dist.fault_tolerance.scratch import ScratchCallback
+from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
 from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, detected_cluster, threads_per_process
 from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.launchers import binding
@@ -93,6 +93,8 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
                                  "'multi_worker_mirrored'; run it as a 'worker'")
         super().__init__(environment, chosen)
         self.collectives = TFDistribute(self.strategy, environment.rank, environment.size)
+        # Saving is a collective too: the other workers save into scratch directories.
+        self.checkpoint_io = CheckpointIO(workers_save_in_scratch=True)
 
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
@@ -134,10 +136,6 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         # Every step is a collective: uneven evaluation shards must still end together.
         return dataclasses.replace(super().input_plan, collective_steps=True,
                                    marks_equal_steps=True)
-
-    def worker_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
-        # Saving is a collective too: the other workers save into scratch directories.
-        return ScratchCallback(callback)
 
 
 def _stopped_task(error: str, cluster: dict) -> str | None:

@@ -19,7 +19,7 @@ train.py`, or any launcher whose cluster environment names a coordinator (`srun`
 
 import contextlib
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_dist import keras_internals, keras_workarounds_torch, timeouts
@@ -27,7 +27,7 @@ from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTorch
 from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment, MPIEnvironment
 from keras_dist.errors import KerasDistError
-from keras_dist.overrides import is_overridden, override, set_while
+from keras_dist.overrides import override, set_while
 from keras_dist.settings import Settings
 from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
 
@@ -74,6 +74,8 @@ class TorchDistributedStrategy(Strategy):
     def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
         import keras
 
+        from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
+
         super().__init__(environment, chosen)
 
         if keras.backend.backend() != "torch":
@@ -100,6 +102,10 @@ class TorchDistributedStrategy(Strategy):
         self._split_weights = {}
         self._splitting = None
         self.fitting = False
+        # Under shard="weights", a checkpoint in fit gathers the split weights whole while it
+        # saves (on the chief and in every other process's stand-in, at the same step).
+        self.checkpoint_io = CheckpointIO(whole_weights=self._whole_weights, split_weight_ids=self._split_weight_ids,
+                                          saves_within=self._whole_weights)
 
     # --- gradients --------------------------------------------------------------
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
@@ -195,34 +201,15 @@ class TorchDistributedStrategy(Strategy):
                 self._splitting.join()
                 self._splitting = None
 
-    def whole_weights(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
+    def _whole_weights(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
         return self._splitting.whole() if self._splitting is not None else contextlib.nullcontext()
+
+    def _split_weight_ids(self) -> Collection[int]:
+        return self._splitting.slices if self._splitting is not None else ()
 
     def process_local_steps(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
         # Each process evaluates its own shard, in as many steps as it has: no per-layer gathers.
-        return self.whole_weights(model)
-
-    def replicated_weights(self, weights: Sequence["keras.Variable"]) -> list:
-        split = self._splitting
-        return [w for w in weights if split is None or id(w) not in split.slices]
-
-    def chief_file_callback(self, callback: "keras.callbacks.Callback") -> "keras.callbacks.Callback":
-        """Under shard="weights", a checkpoint in fit gathers the split weights whole while it
-        saves (on the chief and in every other process's stand-in, at the same step)."""
-        import keras
-
-        saves = isinstance(callback, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore))
-        if not self._split_weights or not saves or is_overridden(callback, "_keras_dist_saves_whole"):
-            return callback
-        keras_save = keras_internals.save_method(callback)
-
-        def save_whole(*args: Any, **kwargs: Any) -> Any:
-            with self.whole_weights(callback.model):
-                return keras_save(*args, **kwargs)
-
-        override(callback, "_save_model", save_whole)
-        override(callback, "_keras_dist_saves_whole", True)
-        return callback
+        return self._whole_weights(model)
 
     def _broadcast_from_owners(self, variables: list, owners: list[int]) -> None:
         """Each variable's value from its owner, one broadcast per owner and dtype."""

@@ -1,0 +1,91 @@
+"""How one engine's processes write the model's checkpoints: `CheckpointIO`.
+
+Every save of `fit` goes through it: the chief's `ModelCheckpoint` and `BackupAndRestore`
+(the script's and `keras-dist launch --backup-dir`'s, via `callbacks_for_this_worker`), what
+the other processes run instead (nothing, or a stand-in saving into scratch where a save is
+a collective), and the gathers of sharded optimizer state (`optimizer_sharding`), which
+need the weights whole. A strategy declares its engine's answers when it is made, as it
+declares its `InputPlan`; the part holds no engine.
+"""
+
+import contextlib
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import keras
+
+from keras_dist import keras_internals
+from keras_dist.fault_tolerance.scratch import ScratchCallback
+from keras_dist.overrides import is_overridden, override
+
+ModelContext = Callable[[keras.Model], contextlib.AbstractContextManager[Any]]
+# Marks a callback whose saves already run inside the engine's context (fit called again).
+_WRAPPED = "_keras_dist_saves_within"
+
+
+def _no_context(model: keras.Model) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+class CheckpointIO:
+    """One engine's checkpoint writing, as its strategy declares it.
+
+    Args:
+        whole_weights: context in which the model's weights are whole on every process,
+            where the engine splits them over processes while fit runs (a collective:
+            every process enters it). Default: they always are.
+        split_weight_ids: the ids of the weights split over processes now (one copy in
+            the job, not one per process). Default: none.
+        saves_within: context in which the chief's saves run (JAX: on this process's
+            devices alone; split weights: gathered whole). Default: none.
+        restores_within: `BackupAndRestore`'s restore at fit's start runs in
+            `saves_within` too.
+        workers_save_in_scratch: every save is a collective (MultiWorkerMirrored): the
+            other processes run a copy of each file callback against scratch directories.
+    """
+
+    def __init__(self, *, whole_weights: ModelContext = _no_context,
+                 split_weight_ids: Callable[[], Collection[int]] = tuple, saves_within: ModelContext | None = None,
+                 restores_within: bool = False, workers_save_in_scratch: bool = False) -> None:
+        self.whole_weights = whole_weights
+        self._split_weight_ids = split_weight_ids
+        self._saves_within = saves_within
+        self._restores_within = restores_within
+        self._workers_save_in_scratch = workers_save_in_scratch
+
+    def replicated_weights(self, weights: Sequence[keras.Variable]) -> list:
+        """Those of `weights` each process holds a copy of, which can differ across processes."""
+        split = self._split_weight_ids()
+        return [w for w in weights if id(w) not in split]
+
+    def chief_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+        """A checkpoint or log callback as the chief runs it: its saves (and, where declared,
+        its restore) inside the engine's `saves_within`; the other hooks, off the per-batch
+        path, and the log callbacks, which only read, as they are."""
+        saves = isinstance(callback, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore))
+        if self._saves_within is None or not saves or is_overridden(callback, _WRAPPED):
+            return callback
+        hooks = {"_save_model": keras_internals.save_method(callback)}
+        if self._restores_within and isinstance(callback, keras.callbacks.BackupAndRestore):
+            hooks["on_train_begin"] = callback.on_train_begin
+        for name, hook in hooks.items():
+            def within(*args: Any, _hook: Callable[..., Any] = hook, **kwargs: Any) -> Any:
+                with self._saves_within(callback.model):
+                    return _hook(*args, **kwargs)
+
+            override(callback, name, within)
+        override(callback, _WRAPPED, True)
+        return callback
+
+    def worker_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback | None:
+        """What a process other than the chief runs for a checkpoint or log callback: None to
+        drop it, or, where saves are collectives, a stand-in saving into scratch."""
+        return ScratchCallback(callback) if self._workers_save_in_scratch else None
+
+    def collective_save_stand_in(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+        """What a process other than the chief runs for a `ModelCheckpoint` or `BackupAndRestore`
+        where the model's saves gather every process's share of sharded state: a copy saving
+        into a scratch directory of its own, run as the chief runs its saves."""
+        stand_in = ScratchCallback(callback)
+        self.chief_callback(stand_in.inner)
+        return stand_in
