@@ -92,14 +92,10 @@ class Replicas(abc.ABC):
         return self.size
 
     @property
-    def replicas_per_process(self) -> int:
-        """Replicas fed by one process: its input batch is this times the script's."""
-        return self.num_replicas // self.size
-
-    @property
     def input_plan(self) -> InputPlan:
         """How this process reads the script's inputs (default: one shard per process)."""
-        return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.replicas_per_process)
+        # A process feeds its replicas: its batch is the script's times their number.
+        return InputPlan(num_shards=self.size, shard_index=self.rank, batch_multiplier=self.num_replicas // self.size)
 
     # --- host collectives -------------------------------------------------------
     # The job's processes' host-side collectives (all-gather, broadcast, sum, barrier), run

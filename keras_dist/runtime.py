@@ -49,7 +49,7 @@ class Runtime:
         chosen = chosen or settings.Settings.from_environ(environ)
         detected = environments.detect(environ)
         name, reason = strategies.select(backend, environ, chosen, detected)
-        environment = strategies.strategy_class(name).cluster_environment(environ, detected)
+        environment = strategies.strategy_class(name).process_setup.cluster_environment(environ, detected)
         return cls(chosen, environment, name, reason)
 
     def describe(self) -> dict:

@@ -72,8 +72,8 @@ def start() -> None:
         environment = facts.environment = dataclasses.replace(environment, job_address=address)
         errors.uncaught_errors_in_one_line(one_line=not chosen.debug_log)
     strategy = strategies.strategy_class(facts.backend)
-    settings.export({**variables, **strategy.process_variables(environment, chosen)})
-    strategy.prepare_process(environment, chosen)
+    settings.export({**variables, **strategy.process_setup.process_variables(environment, chosen)})
+    strategy.process_setup.prepare_process(environment, chosen)
     processes.watch_launcher(chosen.variables)
     if environment.size > 1:
         downloads.once_per_machine()

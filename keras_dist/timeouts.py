@@ -6,7 +6,7 @@ servers for ever). Joining the job and the first steps trace or compile the step
 and start the input pipelines, on every process at its own pace; later ones are short.
 
 `policy(settings)` is the one reading of the setting, built once per strategy and handed to its collectives; each strategy says what its engine makes of
-it (`Strategy.applied_step_timeout`), which docs/settings.md tabulates and
+it (`ProcessSetup.applied_step_timeout`), which docs/settings.md tabulates and
 tests/test_settings.py checks against the code.
 """
 

@@ -78,4 +78,4 @@ def test_neither_is_ever_detected():
         assert runner.selected_backend(environ) not in ("central_storage", "one_device")
     for name in ("central_storage", "one_device"):
         assert runner.selected_backend({"KERAS_DIST_BACKEND": name}) == name
-        assert not strategies.strategy_class(name).detect({"CUDA_VISIBLE_DEVICES": "0,1"}, LocalEnvironment())
+        assert not strategies.strategy_class(name).process_setup.detect({"CUDA_VISIBLE_DEVICES": "0,1"}, LocalEnvironment())

@@ -225,7 +225,7 @@ def test_detected_from_tf_config_with_ps_tasks():
 def test_unusable_clusters_get_a_one_line_error(cluster, task, fix):
     config = json.dumps({"cluster": cluster, "task": {"type": task, "index": 0}})
     with pytest.raises(KerasDistError, match=fix) as error:
-        ParameterServerStrategy.process_variables(LocalEnvironment(), Settings.from_environ({"TF_CONFIG": config}))
+        ParameterServerStrategy.process_setup.process_variables(LocalEnvironment(), Settings.from_environ({"TF_CONFIG": config}))
     assert "\n" not in str(error.value)
 
 

@@ -72,7 +72,7 @@ def test_a_bad_value_is_a_one_line_error_naming_the_variable(name, value):
 
 
 def test_the_step_timeout_table_is_what_each_backend_declares():
-    """docs/settings.md's per-backend table, row by row, from `Strategy.applied_step_timeout`."""
+    """docs/settings.md's per-backend table, row by row, from `ProcessSetup.applied_step_timeout`."""
     from keras_dist import strategies, timeouts
 
     expected = []
@@ -80,7 +80,7 @@ def test_the_step_timeout_table_is_what_each_backend_declares():
         cls = strategies.strategy_class(name)
         for label, policy in (("unset", timeouts.StepTimeout(120.0, 30.0, False)),
                               ("45", timeouts.StepTimeout(45.0, 45.0, True))):
-            applied = cls.applied_step_timeout(policy)
+            applied = cls.process_setup.applied_step_timeout(policy)
             if applied is not None:
                 expected.append(f"| `{name}` | {label} | " + " | ".join(applied) + " |")
     doc = (ROOT / "docs" / "settings.md").read_text()

@@ -101,7 +101,7 @@ def select(requested: str | None, environ: Mapping[str, str], chosen: "Settings"
                                  f"set KERAS_BACKEND={trains_on} or choose another backend")
         return name, "requested by keras_dist.init(backend=...)" if requested else f"set by {BACKEND_VARIABLE}"
     for name, (trains_on, _, _) in REGISTRY.items():
-        if name != "single" and trains_on in (None, running) and strategy_class(name).detect(environ, detected):
+        if name != "single" and trains_on in (None, running) and strategy_class(name).process_setup.detect(environ, detected):
             return name, f"detected the {name} launcher's environment"
     return "single", "no launcher detected"
 

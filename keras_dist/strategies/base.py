@@ -82,49 +82,15 @@ def buckets(sizes: list[int], dtypes: list, limit: int, first: int | None = None
     return runs
 
 
-class Strategy(Replicas):
-    """One way of running a Keras 3 model on several replicas.
+class ProcessSetup:
+    """What an engine needs of its process before any strategy exists, as class methods.
 
-    keras_dist calls the strategy a process runs its *backend*: `keras_dist.init(backend=...)`
-    and `KERAS_DIST_BACKEND` pick one by `name`. Topology, host collectives, the input
-    plan, metric states and the file policy are `Replicas`'s.
-
-    Args:
-        environment: this process's place in its job, as its launcher set it
-            (`cluster_environment`), kept as `environment`. Single-process strategies keep
-            `rank` 0 and `size` 1 whatever it says.
-        chosen: keras_dist's settings, read once (`keras_dist.settings`), kept as
-            `settings`; framework variables are read in their `variables`, and the step
-            timeout is built from them once (`step_timeout`). A strategy reads no
-            environment variable itself. None: the defaults (tests).
+    Strategy selection, `keras-dist info` and `import keras_dist` ask them without making a
+    strategy: whether the launcher that started the process is this backend's, the job as
+    the backend reads it, the framework variables to set, the once-per-process start, and
+    how long the backend's processes wait for each other. A strategy names its own
+    (`Strategy.process_setup`); this one is a one-process backend's.
     """
-
-    # True when Keras's step computes gradients and metric states from this process's
-    # batches alone, and keras_dist's hooks must reduce them (Horovod, PyTorch); False
-    # when the framework's step reduces them itself (tf.distribute, JAX).
-    reduces_in_keras_dist: ClassVar[bool] = False
-    # True when every process of a job builds the model (one copy per process): the
-    # strategy then starts at `import keras_dist` and all processes take the chief's
-    # random seed (`keras_dist.startup`), so weights made at any time agree.
-    shares_random_seed: ClassVar[bool] = False
-    # True when `distribute_optimizer` takes `GradientOptions.shard="optimizer"`.
-    shards_optimizer_state: ClassVar[bool] = False
-    # True when it also takes `GradientOptions.shard="weights"`.
-    shards_weights: ClassVar[bool] = False
-    # False when `run_loop` replaces Keras's fit/evaluate/predict loops with the
-    # strategy's own (parameter servers), which then read epoch logs themselves.
-    runs_keras_loops: ClassVar[bool] = True
-    # Its processes' host-side collectives (one process: `SINGLE`, which does nothing).
-    collectives: Collectives = SINGLE
-
-    def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
-        self.environment = environment or LocalEnvironment()
-        self.settings = chosen or Settings()
-        self.step_timeout = timeouts.policy(self.settings)
-        from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO  # imports Keras
-
-        # The chief writes, the others drop file callbacks; engines that save otherwise declare how.
-        self.checkpoint_io = CheckpointIO()
 
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str] | None:
@@ -162,6 +128,55 @@ class Strategy(Replicas):
         are set, before the script builds anything: the place for what the framework does
         once per process (a process group, a TensorFlow server, the local GPU)."""
 
+
+class Strategy(Replicas):
+    """One way of running a Keras 3 model on several replicas.
+
+    keras_dist calls the strategy a process runs its *backend*: `keras_dist.init(backend=...)`
+    and `KERAS_DIST_BACKEND` pick one by `name`. Topology, host collectives, the input
+    plan, metric states and the file policy are `Replicas`'s.
+
+    Args:
+        environment: this process's place in its job, as its launcher set it
+            (`process_setup.cluster_environment`), kept as `environment`. Single-process strategies keep
+            `rank` 0 and `size` 1 whatever it says.
+        chosen: keras_dist's settings, read once (`keras_dist.settings`), kept as
+            `settings`; framework variables are read in their `variables`, and the step
+            timeout is built from them once (`step_timeout`). A strategy reads no
+            environment variable itself. None: the defaults (tests).
+    """
+
+    # True when Keras's step computes gradients and metric states from this process's
+    # batches alone, and keras_dist's hooks must reduce them (Horovod, PyTorch); False
+    # when the framework's step reduces them itself (tf.distribute, JAX).
+    reduces_in_keras_dist: ClassVar[bool] = False
+    # True when every process of a job builds the model (one copy per process): the
+    # strategy then starts at `import keras_dist` and all processes take the chief's
+    # random seed (`keras_dist.startup`), so weights made at any time agree.
+    shares_random_seed: ClassVar[bool] = False
+    # True when `distribute_optimizer` takes `GradientOptions.shard="optimizer"`.
+    shards_optimizer_state: ClassVar[bool] = False
+    # True when it also takes `GradientOptions.shard="weights"`.
+    shards_weights: ClassVar[bool] = False
+    # False when `run_loop` replaces Keras's fit/evaluate/predict loops with the
+    # strategy's own (parameter servers), which then read epoch logs themselves.
+    runs_keras_loops: ClassVar[bool] = True
+    # Its processes' host-side collectives (one process: `SINGLE`, which does nothing).
+    collectives: Collectives = SINGLE
+    # `model.compile` arguments this backend needs unless the script gives them.
+    compile_defaults: ClassVar[Mapping[str, Any]] = {}
+    # What it needs of the process before it exists (`ProcessSetup`'s class methods).
+    process_setup: ClassVar[type[ProcessSetup]] = ProcessSetup
+
+    def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
+        self.environment = environment or LocalEnvironment()
+        self.settings = chosen or Settings()
+        self.step_timeout = timeouts.policy(self.settings)
+        from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO  # imports Keras
+
+        # The chief writes, the others drop file callbacks; engines that save otherwise declare how.
+        self.checkpoint_io = CheckpointIO()
+
     # --- topology: the job's, as its collectives number the processes ---------
     @property
     def rank(self) -> int:
@@ -172,13 +187,9 @@ class Strategy(Replicas):
         return self.collectives.size
 
     # --- model and optimizer --------------------------------------------------
-    def compile_defaults(self) -> dict:
-        """`model.compile` arguments this backend needs unless the user gave them."""
-        return {}
-
     def compile_arguments(self, kwargs: dict) -> dict:
         """The keyword arguments `model.compile` gets: the script's, over `compile_defaults`."""
-        return {**self.compile_defaults(), **kwargs}
+        return {**self.compile_defaults, **kwargs}
 
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
         """Returns the model to train (the same object unless variables had to move)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from keras_dist import errors, keras_internals, timeouts
 from keras_dist.collectives.horovod import NO_BFLOAT16, HorovodTensorFlow
 from keras_dist.collectives import PEERS_SECONDS
-from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
+from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy, bucket_bytes, buckets
 from keras_dist.environments import ClusterEnvironment, MPIEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError, PeerFailure
 from keras_dist.settings import Settings
@@ -56,18 +56,8 @@ def _import_horovod():
     return hvd
 
 
-class HorovodStrategy(Strategy):
-    """Data parallelism with Horovod: gradients and metric states are all-reduced.
-
-    Launch: `horovodrun -np 4 -H localhost:4 --gloo python train.py` (or `keras-dist
-    launch --backend horovod -n 4 train.py`). Each process pins itself to the GPU of its
-    local rank when GPUs are present.
-    """
-
-    name = "horovod"
-    shares_random_seed = True
-    reduces_in_keras_dist = True
-    shards_optimizer_state = True
+class HorovodSetup(ProcessSetup):
+    """What backend 'horovod' needs of its process before a strategy exists."""
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -92,6 +82,27 @@ class HorovodStrategy(Strategy):
     def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> MPIEnvironment:
         return detected if isinstance(detected, MPIEnvironment) else MPIEnvironment.from_environ(environ)
 
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
+        # One Gloo timeout for Horovod's rendezvous and every collective.
+        seconds = f"{math.ceil(policy.later)} s" if policy.chosen else "Horovod's own 30 s"
+        return seconds, seconds, seconds
+
+
+class HorovodStrategy(Strategy):
+    """Data parallelism with Horovod: gradients and metric states are all-reduced.
+
+    Launch: `horovodrun -np 4 -H localhost:4 --gloo python train.py` (or `keras-dist
+    launch --backend horovod -n 4 train.py`). Each process pins itself to the GPU of its
+    local rank when GPUs are present.
+    """
+
+    name = "horovod"
+    process_setup = HorovodSetup
+    shares_random_seed = True
+    reduces_in_keras_dist = True
+    shards_optimizer_state = True
+
     def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
         super().__init__(environment, chosen)
         self._hvd = _import_horovod()
@@ -107,12 +118,6 @@ class HorovodStrategy(Strategy):
             except OSError:  # the report of a stopped peer then names no host
                 logger.debug("horovodrun's store took no host name", exc_info=True)
             errors.note_failures_with(lambda: self.environment.put(f"exited.{self.rank}", "1", timeout=PEERS_SECONDS))
-
-    @classmethod
-    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
-        # One Gloo timeout for Horovod's rendezvous and every collective.
-        seconds = f"{math.ceil(policy.later)} s" if policy.chosen else "Horovod's own 30 s"
-        return seconds, seconds, seconds
 
     @property
     def _names_stopped_peers(self) -> bool:

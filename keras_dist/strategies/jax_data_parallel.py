@@ -40,7 +40,7 @@ from keras_dist import (environments, keras_internals, keras_workarounds_jax, ne
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
-from keras_dist.strategies.base import Strategy, GradientOptions
+from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
 from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
 from keras_dist.overrides import override
@@ -271,13 +271,8 @@ def _gloo_advertises(address):
 _PEER_CLOSED = ("Connection closed by peer", "Connection reset by peer")
 
 
-class JaxDataParallelStrategy(Strategy):
-    """Synchronous data parallelism on Keras's JAX backend, over every process's devices."""
-
-    name = "jax"
-    shares_random_seed = True
-    shards_optimizer_state = True
-    shards_weights = True
+class JaxSetup(ProcessSetup):
+    """What backend 'jax' needs of its process before a strategy exists."""
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -288,6 +283,22 @@ class JaxDataParallelStrategy(Strategy):
     @classmethod
     def prepare_process(cls, environment: ClusterEnvironment, chosen: Settings) -> None:
         _start_process_group(environment, chosen)
+
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
+        # Steps are not timed: `_PeerWatch` ends the job when a process stops beating
+        # (beats run on threads of their own, so a long first step does not stop them).
+        return f"{policy.first:g} s", f"{policy.later:g} s without a beat", f"{policy.later:g} s without a beat"
+
+
+class JaxDataParallelStrategy(Strategy):
+    """Synchronous data parallelism on Keras's JAX backend, over every process's devices."""
+
+    name = "jax"
+    process_setup = JaxSetup
+    shares_random_seed = True
+    shards_optimizer_state = True
+    shards_weights = True
 
     def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
         super().__init__(environment, chosen)
@@ -307,12 +318,6 @@ class JaxDataParallelStrategy(Strategy):
         # The chief saves and restores alone, so process-locally.
         self.checkpoint_io = CheckpointIO(split_weight_ids=lambda: self._split_weights,
                                           saves_within=self.process_local_steps, restores_within=True)
-
-    @classmethod
-    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
-        # Steps are not timed: `_PeerWatch` ends the job when a process stops beating
-        # (beats run on threads of their own, so a long first step does not stop them).
-        return f"{policy.first:g} s", f"{policy.later:g} s without a beat", f"{policy.later:g} s without a beat"
 
     @property
     def num_replicas(self) -> int:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.keras_workarounds import with_undivided_losses
+from keras_dist.strategies.base import ProcessSetup
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy, local_replica_devices
 
 if TYPE_CHECKING:
@@ -20,6 +21,14 @@ def _visible_gpu_count(environ):
     return len([d for d in value.split(",") if d.strip() and d.strip() != "-1"])
 
 
+class MirroredSetup(ProcessSetup):
+    """What backend 'mirrored' needs of its process before a strategy exists."""
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
+        return (_visible_gpu_count(environ) or 0) > 1 and "TF_CONFIG" not in environ
+
+
 class MirroredStrategy(TFDistributeStrategy):
     """Synchronous data parallelism over the devices of one machine.
 
@@ -30,10 +39,7 @@ class MirroredStrategy(TFDistributeStrategy):
     """
 
     name = "mirrored"
-
-    @classmethod
-    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
-        return (_visible_gpu_count(environ) or 0) > 1 and "TF_CONFIG" not in environ
+    process_setup = MirroredSetup
 
     def make_strategy(self) -> "tf.distribute.Strategy":
         import tensorflow as tf

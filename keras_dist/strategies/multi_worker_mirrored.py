@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from keras_dist import keras_workarounds, timeouts
 from keras_dist.collectives.tf_distribute import TFDistribute
 from keras_dist.replicas import InputPlan
-from keras_dist.strategies.base import bucket_bytes
+from keras_dist.strategies.base import ProcessSetup, bucket_bytes
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
 from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, detected_cluster, threads_per_process
@@ -45,19 +45,8 @@ _strategy = None
 _UNHEALTHY = re.compile(r"unhealthy.*?/job:(\w+)/replica:\d+/task:(\d+)", re.S)
 
 
-class MultiWorkerMirroredStrategy(TFDistributeStrategy):
-    """Synchronous data parallelism across machines with collective all-reduce.
-
-    Selected when TF_CONFIG describes a cluster without parameter servers. Launch with
-    `keras-dist launch --backend multi_worker_mirrored -n 2 train.py`, or set TF_CONFIG
-    on each machine. The chief is the `chief` task, else worker 0. Import keras_dist
-    before building any model: the strategy must start before TensorFlow does.
-    """
-
-    name = "multi_worker_mirrored"
-    shares_random_seed = True
-    keras_workarounds = (keras_workarounds.build_from_local_batch,
-                         functools.partial(keras_workarounds.step_functions, scalar_logs=True, skip_empty_batches=True))
+class MultiWorkerMirroredSetup(ProcessSetup):
+    """What backend 'multi_worker_mirrored' needs of its process before a strategy exists."""
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -87,6 +76,30 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
     def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> TFConfigEnvironment:
         return detected if isinstance(detected, TFConfigEnvironment) else TFConfigEnvironment.from_environ(environ)
 
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
+        # Collectives are not timed (a timeout costs TensorFlow a thread per collective): the
+        # coordination service ends the job when a worker's heartbeats, sent from a thread of
+        # their own, stop for the later steps' timeout.
+        beats = f"{policy.later:g} s without a heartbeat"
+        return "TensorFlow's own", beats, beats
+
+
+class MultiWorkerMirroredStrategy(TFDistributeStrategy):
+    """Synchronous data parallelism across machines with collective all-reduce.
+
+    Selected when TF_CONFIG describes a cluster without parameter servers. Launch with
+    `keras-dist launch --backend multi_worker_mirrored -n 2 train.py`, or set TF_CONFIG
+    on each machine. The chief is the `chief` task, else worker 0. Import keras_dist
+    before building any model: the strategy must start before TensorFlow does.
+    """
+
+    name = "multi_worker_mirrored"
+    process_setup = MultiWorkerMirroredSetup
+    shares_random_seed = True
+    keras_workarounds = (keras_workarounds.build_from_local_batch,
+                         functools.partial(keras_workarounds.step_functions, scalar_logs=True, skip_empty_batches=True))
+
     def __init__(self, environment: TFConfigEnvironment, chosen: Settings | None = None):
         if environment.rank >= environment.size:
             raise KerasDistError(f"TF_CONFIG task {environment.task_type!r} does not train under backend "
@@ -95,14 +108,6 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         self.collectives = TFDistribute(self.strategy, environment.rank, environment.size)
         # Saving is a collective too: the other workers save into scratch directories.
         self.checkpoint_io = CheckpointIO(workers_save_in_scratch=True)
-
-    @classmethod
-    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
-        # Collectives are not timed (a timeout costs TensorFlow a thread per collective): the
-        # coordination service ends the job when a worker's heartbeats, sent from a thread of
-        # their own, stop for the later steps' timeout.
-        beats = f"{policy.later:g} s without a heartbeat"
-        return "TensorFlow's own", beats, beats
 
     def make_strategy(self) -> "tf.distribute.Strategy":
         return _strategy if _strategy is not None else _make_strategy(self.settings)

@@ -29,7 +29,7 @@ from keras_dist.environments import ClusterEnvironment, MPIEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
 from keras_dist.settings import Settings
-from keras_dist.strategies.base import GradientOptions, Strategy, bucket_bytes, buckets
+from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy, bucket_bytes, buckets
 
 if TYPE_CHECKING:
     import keras
@@ -46,14 +46,8 @@ WIRE_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 FIRST_BUCKET_BYTES = 2**20
 
 
-class TorchDistributedStrategy(Strategy):
-    """Data parallelism on Keras's PyTorch backend, one process per replica."""
-
-    name = "torch"
-    reduces_in_keras_dist = True
-    shares_random_seed = True
-    shards_optimizer_state = True
-    shards_weights = True
+class TorchDistributedSetup(ProcessSetup):
+    """What backend 'torch' needs of its process before a strategy exists."""
 
     @classmethod
     def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
@@ -70,6 +64,17 @@ class TorchDistributedStrategy(Strategy):
         # a frozen peer from a chief busy with a checkpoint between steps: the longer one.
         # (Under horovodrun, Horovod's collectives: as backend 'horovod'.)
         return (f"{policy.first:g} s",) * 3
+
+
+class TorchDistributedStrategy(Strategy):
+    """Data parallelism on Keras's PyTorch backend, one process per replica."""
+
+    name = "torch"
+    process_setup = TorchDistributedSetup
+    reduces_in_keras_dist = True
+    shares_random_seed = True
+    shards_optimizer_state = True
+    shards_weights = True
 
     def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
         import keras

@@ -5,6 +5,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from keras_dist import keras_workarounds
+from keras_dist.strategies.base import ProcessSetup
 from keras_dist.strategies.tf_strategy import TFDistributeStrategy
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.errors import KerasDistError, first_line
@@ -44,6 +45,14 @@ def tpu_address(environ: Mapping[str, str], requested: str | None = None,
     return None
 
 
+class TPUSetup(ProcessSetup):
+    """What backend 'tpu' needs of its process before a strategy exists."""
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
+        return bool(environ.get("TPU_NAME") or environ.get("KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS"))
+
+
 class TPUStrategy(TFDistributeStrategy):
     """Synchronous data parallelism over TPU cores.
 
@@ -54,16 +63,14 @@ class TPUStrategy(TFDistributeStrategy):
     """
 
     name = "tpu"
+    process_setup = TPUSetup
+    compile_defaults = {"steps_per_execution": DEFAULT_STEPS_PER_EXECUTION}
     # TPUStrategy runs Keras's own step functions (keras_workarounds.step_functions is for the others).
     keras_workarounds = (keras_workarounds.build_from_local_batch,)
 
     def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None, tpu: str | None = None):
         self.requested_tpu = tpu  # keras_dist.init(backend="tpu", tpu=...)
         super().__init__(environment, chosen)
-
-    @classmethod
-    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
-        return bool(environ.get("TPU_NAME") or environ.get("KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS"))
 
     def make_strategy(self) -> "tf.distribute.Strategy":
         import tensorflow as tf
@@ -84,7 +91,3 @@ class TPUStrategy(TFDistributeStrategy):
                 "and that this machine may use that TPU"
             ) from None
         return tf.distribute.TPUStrategy(resolver)
-
-    def compile_defaults(self) -> dict:
-        """Arguments `model.compile` gets unless the script passes them."""
-        return {"steps_per_execution": DEFAULT_STEPS_PER_EXECUTION}

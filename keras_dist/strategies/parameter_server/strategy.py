@@ -14,12 +14,51 @@ from keras_dist import keras_workarounds, network, optimizer_hooks, timeouts
 from keras_dist.environments import ClusterEnvironment, TFConfigEnvironment, detected_cluster
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
 from keras_dist.launchers import binding
+from keras_dist.replicas import InputPlan
 from keras_dist.settings import Settings
 from keras_dist.strategies import tf_server
-from keras_dist.strategies.base import GradientOptions, Strategy
+from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy
 from keras_dist.strategies.parameter_server.loop import CoordinatedSteps
 from keras_dist.strategies.parameter_server.server import SERVING_TASKS, announce_end, ps_cluster, serve
 from keras_dist.strategies.tf_strategy import adopt_optimizer, move_variables
+
+class ParameterServerSetup(ProcessSetup):
+    """What backend 'parameter_server' needs of its process before a strategy exists."""
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
+        return bool((detected_cluster(environ) or {}).get("ps"))
+
+    @classmethod
+    def process_variables(cls, environment: ClusterEnvironment, chosen: Settings) -> dict[str, str]:
+        ps_cluster(chosen.variables)  # its one-line errors first
+        changes = tf_server.server_variables(chosen.variables, chosen)
+        if "GRPC_FAIL_FAST" not in chosen.variables:
+            # The coordinator retries a step on another worker only if RPCs fail fast.
+            changes["GRPC_FAIL_FAST"] = "use_caller"
+        return changes
+
+    @classmethod
+    def prepare_process(cls, environment: ClusterEnvironment, chosen: Settings) -> None:
+        binding.restart_with_binding()
+        cluster, kind, index = ps_cluster(chosen.variables)  # as `process_variables` may have rewritten TF_CONFIG
+        if kind in SERVING_TASKS:
+            sys.exit(serve(cluster, kind, index))
+        # Connecting moves this process's devices into the cluster and invalidates variables
+        # made before; connect now, so models the script builds before compile stay valid.
+        tf.config.experimental_connect_to_cluster(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+                                                  job_name="chief")
+
+    @classmethod
+    def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> TFConfigEnvironment:
+        ps_cluster(environ)  # its one-line errors first
+        return detected if isinstance(detected, TFConfigEnvironment) else TFConfigEnvironment.from_environ(environ)
+
+    @classmethod
+    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
+        # Joining is TensorFlow's: its servers wait for the cluster's tasks without a bound of ours.
+        return "TensorFlow's own", f"{policy.first:g} s", f"{policy.later:g} s"
+
 
 class ParameterServerStrategy(Strategy):
     """Asynchronous training with variables on parameter servers.
@@ -64,36 +103,8 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "parameter_server"
+    process_setup = ParameterServerSetup
     runs_keras_loops = False
-
-    @classmethod
-    def detect(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> bool:
-        return bool((detected_cluster(environ) or {}).get("ps"))
-
-    @classmethod
-    def process_variables(cls, environment: ClusterEnvironment, chosen: Settings) -> dict[str, str]:
-        ps_cluster(chosen.variables)  # its one-line errors first
-        changes = tf_server.server_variables(chosen.variables, chosen)
-        if "GRPC_FAIL_FAST" not in chosen.variables:
-            # The coordinator retries a step on another worker only if RPCs fail fast.
-            changes["GRPC_FAIL_FAST"] = "use_caller"
-        return changes
-
-    @classmethod
-    def prepare_process(cls, environment: ClusterEnvironment, chosen: Settings) -> None:
-        binding.restart_with_binding()
-        cluster, kind, index = ps_cluster(chosen.variables)  # as `process_variables` may have rewritten TF_CONFIG
-        if kind in SERVING_TASKS:
-            sys.exit(serve(cluster, kind, index))
-        # Connecting moves this process's devices into the cluster and invalidates variables
-        # made before; connect now, so models the script builds before compile stay valid.
-        tf.config.experimental_connect_to_cluster(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
-                                                  job_name="chief")
-
-    @classmethod
-    def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> TFConfigEnvironment:
-        ps_cluster(environ)  # its one-line errors first
-        return detected if isinstance(detected, TFConfigEnvironment) else TFConfigEnvironment.from_environ(environ)
 
     def __init__(self, environment: TFConfigEnvironment, chosen: Settings | None = None, variable_partitioner: Any = None,
                  step_timeout: float | None = None):
@@ -117,18 +128,14 @@ class ParameterServerStrategy(Strategy):
         announce_end(cluster, self.stalled)
         self._steps = weakref.WeakKeyDictionary()  # model -> CoordinatedSteps of its latest compile
 
-    @classmethod
-    def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
-        # Joining is TensorFlow's: its servers wait for the cluster's tasks without a bound of ours.
-        return "TensorFlow's own", f"{policy.first:g} s", f"{policy.later:g} s"
-
     @property
     def num_replicas(self) -> int:
         return self.num_workers
 
     @property
-    def replicas_per_process(self) -> int:
-        return 1  # the chief reads batches of the script's size; each runs on one worker
+    def input_plan(self) -> InputPlan:
+        # The chief reads batches of the script's size; each runs on one worker.
+        return InputPlan(num_shards=self.size, shard_index=self.rank)
 
     def scope(self) -> contextlib.AbstractContextManager[Any]:
         return self.strategy.scope()
