@@ -12,7 +12,7 @@ inputs as one rank of a job would without any collective.
 import abc
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -109,21 +109,9 @@ class Replicas(abc.ABC):
     checkpoint_io: Any
 
     # --- metric states ------------------------------------------------------------
-    def global_metric_states(self, variables: Sequence["keras.Variable"]) -> list:
-        """The values of metric state `variables` over every process's batches, as NumPy arrays.
-
-        By default each process holds its own share, summed here on the host.
-        """
-        import keras
-
-        return self.collectives.sum_arrays([keras.ops.convert_to_numpy(v.value) for v in variables])
-
-    def assign_metric_states(self, variables: Sequence["keras.Variable"], global_states: Sequence[np.ndarray]) -> None:
-        """Sets metric state `variables` so that their sum over processes is `global_states`
-        (`global_metric_states` inverted, to resume an epoch): the chief holds them, by
-        default, the others zero."""
-        for variable, value in zip(variables, global_states):
-            variable.assign(value if self.is_chief else np.zeros_like(value))
+    # How the metric states of every process's batches are read and set (`MetricStates`,
+    # or an engine's own kind of it, made with the strategy).
+    metric_states: "MetricStates"
 
     # --- where variables live and steps run -----------------------------------------
     def scope(self) -> contextlib.AbstractContextManager[Any]:
@@ -142,3 +130,39 @@ class Replicas(abc.ABC):
     def describe(self) -> dict:
         return {"backend": self.name, "rank": self.rank, "size": self.size,
                 "local_rank": self.local_rank, "num_replicas": self.num_replicas}
+
+
+class MetricStates:
+    """How the metric states of every process's batches are read, set and summed in a step.
+
+    By default each process holds the states of its own batches: they are summed on the
+    host, and a resumed epoch's states are held by the chief, the others zero. An engine
+    whose states live otherwise (tf.distribute's sync-on-read variables, one global array
+    on JAX) subclasses it; one whose step leaves them per process (Horovod, PyTorch) gives
+    `sum_in_step`.
+
+    Args:
+        replicas: the job as this process sees it (its collectives and chief).
+        sum_in_step: sums a list of tensors over processes inside a train step (a
+            `tf.function`, or an eager torch step); default: they are the job's already.
+    """
+
+    def __init__(self, replicas: "Replicas", sum_in_step: Callable[[Sequence[Any]], Sequence[Any]] | None = None):
+        self.replicas = replicas
+        self._sum_in_step = sum_in_step
+
+    def global_values(self, variables: Sequence["keras.Variable"]) -> list:
+        """The values of metric state `variables` over every process's batches, as NumPy arrays."""
+        import keras
+
+        return self.replicas.collectives.sum_arrays([keras.ops.convert_to_numpy(v.value) for v in variables])
+
+    def assign_global(self, variables: Sequence["keras.Variable"], global_states: Sequence[np.ndarray]) -> None:
+        """Sets metric state `variables` so that their sum over processes is `global_states`
+        (`global_values` inverted, to resume an epoch)."""
+        for variable, value in zip(variables, global_states):
+            variable.assign(value if self.replicas.is_chief else np.zeros_like(value))
+
+    def sum_in_step(self, tensors: Sequence[Any]) -> Sequence[Any]:
+        """`tensors` summed over processes, inside a train step."""
+        return tensors if self._sum_in_step is None else self._sum_in_step(tensors)

@@ -252,17 +252,17 @@ class DistributedTraining:
         variables = [v for m in self.model.metrics for v in m.variables]
         if not variables or not self.strategy.reduces_in_keras_dist or self.in_evaluate or not self.global_batch_logs:
             return self.keras_get_metrics_result()
-        return metric_results(self.model.metrics, self.strategy.sum_across_processes_in_step([v.value for v in variables]))
+        return metric_results(self.model.metrics, self.strategy.metric_states.sum_in_step([v.value for v in variables]))
 
     def global_metrics_result(self) -> dict[str, Any]:
-        """Model metrics computed from their states over every process (`Replicas.global_metric_states`)."""
+        """Model metrics computed from their states over every process (`MetricStates.global_values`)."""
         metrics = self.model.metrics
         variables = [v for m in metrics for v in m.variables]
         if not variables:
             return self.keras_get_metrics_result()
         if self.in_evaluate and self.stand_in_evaluation:
             self.model.reset_metrics()  # the stand-in sample is not this process's to count
-        return metric_results(metrics, self.strategy.global_metric_states(variables))
+        return metric_results(metrics, self.strategy.metric_states.global_values(variables))
 
     def get_metrics_result_or_logs(self, logs: dict | None) -> dict[str, Any]:
         """Epoch logs: the global metric results, and the other keys of a custom step's logs averaged.

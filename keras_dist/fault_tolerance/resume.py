@@ -211,7 +211,7 @@ class ResumePoint(keras.callbacks.Callback):
             return
         variables = [v for m in self.model.metrics for v in m.variables]
         if self._restored_metrics is not None and len(variables) == len(self._restored_metrics):
-            self.replicas.assign_metric_states(variables, [np.asarray(a) for a in self._restored_metrics])
+            self.replicas.metric_states.assign_global(variables, [np.asarray(a) for a in self._restored_metrics])
             self._restored_metrics = None
         # Else Keras builds the compiled metrics in the first step (TensorFlow without a
         # tf.distribute strategy, as under Horovod): they are restored after it.
@@ -234,7 +234,7 @@ class ResumePoint(keras.callbacks.Callback):
 
     def _add_restored_metrics(self) -> None:
         """Adds the restored metric states to those of the resumed epoch's first step, which
-        built them (the chief holds the restored part, as `assign_metric_states` has it).
+        built them (the chief holds the restored part, as `MetricStates.assign_global` has it).
         Exact for states that sum (totals, counts, confusion counts: every metric Keras
         compiles by name)."""
         variables = [v for m in self.model.metrics for v in m.variables]
@@ -305,7 +305,7 @@ class ResumePoint(keras.callbacks.Callback):
         """The position, and what differs from process to process, gathered (a collective)."""
         model = self.model
         variables = [v for m in model.metrics for v in m.variables] if steps else []
-        metrics = self.replicas.global_metric_states(variables) if variables else []
+        metrics = self.replicas.metric_states.global_values(variables) if variables else []
         step_samples = self.position.step_samples
         return {"epoch": epoch, "steps": steps, "seed": self.position.seed,
                 "shards": self.replicas.input_plan.num_shards,

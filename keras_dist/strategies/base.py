@@ -18,14 +18,14 @@ Three families fit behind it:
 * one computation over every process's devices (JAX): XLA reduces inside the step.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from keras_dist import timeouts
 from keras_dist.collectives import SINGLE, Collectives
 from keras_dist.environments import ClusterEnvironment, LocalEnvironment
-from keras_dist.replicas import Replicas
+from keras_dist.replicas import MetricStates, Replicas
 from keras_dist.settings import Settings
 
 if TYPE_CHECKING:
@@ -134,7 +134,9 @@ class Strategy(Replicas):
 
     keras_dist calls the strategy a process runs its *backend*: `keras_dist.init(backend=...)`
     and `KERAS_DIST_BACKEND` pick one by `name`. Topology, host collectives, the input
-    plan, metric states and the file policy are `Replicas`'s.
+    plan and the engine's parts are `Replicas`'s: `collectives`, `metric_states`
+    (`MetricStates`), `checkpoint_io` (`CheckpointIO`), each made in `__init__`, and the
+    class-level `process_setup` (`ProcessSetup`), asked before any strategy exists.
 
     Args:
         environment: this process's place in its job, as its launcher set it
@@ -176,6 +178,7 @@ class Strategy(Replicas):
 
         # The chief writes, the others drop file callbacks; engines that save otherwise declare how.
         self.checkpoint_io = CheckpointIO()
+        self.metric_states = MetricStates(self)
 
     # --- topology: the job's, as its collectives number the processes ---------
     @property
@@ -206,10 +209,6 @@ class Strategy(Replicas):
 
     def distribute_optimizer(self, optimizer: "keras.optimizers.Optimizer", options: GradientOptions) -> None:
         """Makes `optimizer` reduce gradients across replicas before each update."""
-
-    def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> Sequence[Any]:
-        """Sums a list of tensors over processes inside a train step (a `tf.function`, or an eager torch step)."""
-        return tensors
 
     def describe(self) -> dict:
         return {**super().describe(), **self.collectives.describe()}

@@ -19,6 +19,7 @@ from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy, bucket_bytes, buckets
 from keras_dist.environments import ClusterEnvironment, MPIEnvironment, threads_per_process
 from keras_dist.errors import KerasDistError, PeerFailure
+from keras_dist.replicas import MetricStates
 from keras_dist.settings import Settings
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ class HorovodStrategy(Strategy):
         self.collectives = HorovodTensorFlow(self._hvd)
         self._optimizer_numbers = itertools.count()
         self._metric_sums = itertools.count()  # traced in the same order on every process
+        self.metric_states = MetricStates(self, sum_in_step=self._sum_metric_states_in_step)
         self._sharded_steps = False  # some optimizer's state is sharded: steps differ per process
         self._pin_gpu()
         if self._names_stopped_peers:
@@ -263,7 +265,7 @@ class HorovodStrategy(Strategy):
                 parts = tf.split(wire, [v.shape.num_elements() for v in group])
                 assigned = [v.assign(tf.reshape(part, v.shape)) for v, part in zip(group, parts)]
 
-    def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list[Any]:
+    def _sum_metric_states_in_step(self, tensors: Sequence[Any]) -> list[Any]:
         # Under shard="optimizer" the step's graph differs between processes (see
         # `distribute_optimizer`), and with it the names Horovod would make up: named, one
         # name per trace, as Horovod's own differ per place in the graph (with several

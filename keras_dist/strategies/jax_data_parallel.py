@@ -44,6 +44,7 @@ from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
 from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
 from keras_dist.overrides import override
+from keras_dist.replicas import MetricStates, Replicas
 from keras_dist.settings import Settings
 
 logger = logging.getLogger("keras_dist")
@@ -271,6 +272,32 @@ def _gloo_advertises(address):
 _PEER_CLOSED = ("Connection closed by peer", "Connection reset by peer")
 
 
+class _JaxMetricStates(MetricStates):
+    """On the mesh, a step is one computation over every process: its metric states are
+    one global array, read and set as they are; in `process_local_steps` each process holds
+    its own share, as by default.
+
+    Args:
+        on_the_mesh: whether steps run over every process now.
+    """
+
+    def __init__(self, replicas: Replicas, on_the_mesh: Callable[[], bool]):
+        super().__init__(replicas)
+        self._on_the_mesh = on_the_mesh
+
+    def global_values(self, variables: Sequence[keras.Variable]) -> list:
+        if self._on_the_mesh():
+            return [keras.ops.convert_to_numpy(v.value) for v in variables]
+        return super().global_values(variables)
+
+    def assign_global(self, variables: Sequence[keras.Variable], global_states: Sequence[np.ndarray]) -> None:
+        if not self._on_the_mesh():
+            super().assign_global(variables, global_states)
+            return
+        for variable, value in zip(variables, global_states):
+            variable.assign(value)
+
+
 class JaxSetup(ProcessSetup):
     """What backend 'jax' needs of its process before a strategy exists."""
 
@@ -315,6 +342,7 @@ class JaxDataParallelStrategy(Strategy):
         self._gathers = 0  # `_whole_values` calls so far, which every process counts alike
         # The trainable weights split over the mesh in the fit under way (shard="weights"), by id.
         self._split_weights: dict[int, keras.distribution.TensorLayout] = {}
+        self.metric_states = _JaxMetricStates(self, on_the_mesh=lambda: self._local_depth == 0)
         # The chief saves and restores alone, so process-locally.
         self.checkpoint_io = CheckpointIO(split_weight_ids=lambda: self._split_weights,
                                           saves_within=self.process_local_steps, restores_within=True)
@@ -425,18 +453,6 @@ class JaxDataParallelStrategy(Strategy):
         return None
 
     # --- work one process does alone --------------------------------------------------
-    def global_metric_states(self, variables: Sequence[keras.Variable]) -> list:
-        if self._local_depth == 0:  # a train step is one computation over all processes
-            return [keras.ops.convert_to_numpy(v.value) for v in variables]
-        return super().global_metric_states(variables)
-
-    def assign_metric_states(self, variables: Sequence[keras.Variable], global_states: Sequence[np.ndarray]) -> None:
-        if self._local_depth == 0:  # the train step's states are one global array
-            for variable, value in zip(variables, global_states):
-                variable.assign(value)
-            return
-        super().assign_metric_states(variables, global_states)
-
     @contextlib.contextmanager
     def process_local_steps(self, model: keras.Model) -> Iterator[None]:
         """Runs Keras on this process's devices alone: `evaluate`, `predict`, the chief's saves.

@@ -9,11 +9,13 @@ import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+import numpy as np
 import tensorflow as tf
 
 from keras_dist import keras_internals, keras_workarounds
 from keras_dist.errors import KerasDistError
 from keras_dist.keras_workarounds import UNDIVIDED_LOSSES
+from keras_dist.replicas import MetricStates, Replicas
 from keras_dist.strategies.base import Strategy, GradientOptions
 from keras_dist.settings import Settings
 from keras_dist.environments import ClusterEnvironment
@@ -21,6 +23,40 @@ from keras_dist.environments import ClusterEnvironment
 if TYPE_CHECKING:
     import keras
 
+
+class TFDistributeMetricStates(MetricStates):
+    """Metric states held in a `tf.distribute` strategy's per-replica variables."""
+
+    def __init__(self, replicas: Replicas, tf_strategy: tf.distribute.Strategy):
+        super().__init__(replicas)
+        self.tf_strategy = tf_strategy
+
+    def global_values(self, variables: Sequence["keras.Variable"]) -> list:
+        """Summed over processes explicitly, each process's replicas first: reading a
+        per-replica (sync-on-read) variable may itself aggregate over every worker,
+        depending on the context."""
+        def this_process(variable):
+            value = variable.value
+            if isinstance(value, tf.distribute.DistributedValues):
+                return np.sum([np.asarray(part) for part in self.tf_strategy.experimental_local_results(value)], axis=0)
+            return np.asarray(value)
+
+        return self.replicas.collectives.sum_arrays([this_process(v) for v in variables])
+
+    def assign_global(self, variables: Sequence["keras.Variable"], global_states: Sequence[np.ndarray]) -> None:
+        """The chief holds the states, the others zero, as every strategy does; but a value
+        assigned to a sum-aggregated sync-on-read variable outside a replica is divided by
+        the job's replicas, this process's local replicas each taking that share, so it is
+        scaled up by the process's part of the replicas first."""
+        for variable, value in zip(variables, global_states):
+            share = value if self.replicas.is_chief else np.zeros_like(value)
+            tf_variable = variable.value
+            if (isinstance(tf_variable, tf.distribute.DistributedValues)
+                    and tf_variable.aggregation == tf.VariableAggregation.SUM
+                    and tf_variable.synchronization == tf.VariableSynchronization.ON_READ):
+                share = share * self.tf_strategy.num_replicas_in_sync / len(
+                    self.tf_strategy.experimental_local_results(tf_variable))
+            variable.assign(share)
 
 
 class TFDistributeStrategy(Strategy):
@@ -38,6 +74,7 @@ class TFDistributeStrategy(Strategy):
     def __init__(self, environment: ClusterEnvironment | None = None, chosen: Settings | None = None):
         super().__init__(environment, chosen)
         self.strategy = self.make_strategy()
+        self.metric_states = TFDistributeMetricStates(self, self.strategy)
 
     def make_strategy(self) -> tf.distribute.Strategy:
         """The `tf.distribute.Strategy` this backend runs (called once, in `__init__`)."""
@@ -49,37 +86,6 @@ class TFDistributeStrategy(Strategy):
 
     def scope(self) -> contextlib.AbstractContextManager[Any]:
         return self.strategy.scope()
-
-    def global_metric_states(self, variables: Sequence["keras.Variable"]) -> list:
-        """Summed over processes explicitly, each process's replicas first: reading a
-        per-replica (sync-on-read) variable may itself aggregate over every worker,
-        depending on the context."""
-        import numpy as np
-
-        def this_process(variable):
-            value = variable.value
-            if isinstance(value, tf.distribute.DistributedValues):
-                return np.sum([np.asarray(part) for part in self.strategy.experimental_local_results(value)], axis=0)
-            return np.asarray(value)
-
-        return self.collectives.sum_arrays([this_process(v) for v in variables])
-
-    def assign_metric_states(self, variables: Sequence["keras.Variable"], global_states: Sequence["np.ndarray"]) -> None:
-        """The chief holds the states, the others zero, as every strategy does; but a value
-        assigned to a sum-aggregated sync-on-read variable outside a replica is divided by
-        the job's replicas, this process's local replicas each taking that share, so it is
-        scaled up by the process's part of the replicas first."""
-        import numpy as np
-
-        for variable, value in zip(variables, global_states):
-            share = value if self.is_chief else np.zeros_like(value)
-            tf_variable = variable.value
-            if (isinstance(tf_variable, tf.distribute.DistributedValues)
-                    and tf_variable.aggregation == tf.VariableAggregation.SUM
-                    and tf_variable.synchronization == tf.VariableSynchronization.ON_READ):
-                share = share * self.strategy.num_replicas_in_sync / len(
-                    self.strategy.experimental_local_results(tf_variable))
-            variable.assign(share)
 
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
         """Moves `model`'s variables under the strategy, in place, keeping their values.

@@ -28,6 +28,7 @@ from keras_dist.collectives.torch_distributed import TorchDistributed
 from keras_dist.environments import ClusterEnvironment, MPIEnvironment
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
+from keras_dist.replicas import MetricStates
 from keras_dist.settings import Settings
 from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy, bucket_bytes, buckets
 
@@ -102,6 +103,7 @@ class TorchDistributedStrategy(Strategy):
         # Numbers optimizers in the order they are distributed, the same on every process:
         # their collectives' names (Horovod matches and caches operations by name).
         self._optimizer_numbers = itertools.count()
+        self.metric_states = MetricStates(self, sum_in_step=self._sum_metric_states_in_step)
         # id(optimizer) -> its SplitWeights (shard="weights"); the one split in the fit under way
         # (or left split by a fit that failed, gathered at the next fit's start).
         self._split_weights = {}
@@ -262,7 +264,7 @@ class TorchDistributedStrategy(Strategy):
             self._torch.div(wire, divisor, out=flat)
         return list(_unflatten_dense_tensors(flat, tensors))
 
-    def sum_across_processes_in_step(self, tensors: Sequence[Any]) -> list["torch.Tensor"]:
+    def _sum_metric_states_in_step(self, tensors: Sequence[Any]) -> list["torch.Tensor"]:
         tensors = [self._torch.as_tensor(t) for t in tensors]
         if self.size == 1:
             return tensors
