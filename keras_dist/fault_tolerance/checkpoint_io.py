@@ -1,10 +1,10 @@
 """How one engine's processes write the model's checkpoints: `CheckpointIO`.
 
-Every save of `fit` goes through it: the chief's `ModelCheckpoint` and `BackupAndRestore`
-(the script's and `keras-dist launch --backup-dir`'s, via `callbacks_for_this_worker`), what
-the other processes run instead (nothing, or a stand-in saving into scratch where a save is
-a collective), and the gathers of sharded optimizer state (`optimizer_sharding`), which
-need the weights whole. A strategy declares its engine's answers when it is made, as it
+Every save goes through it: the chief's `ModelCheckpoint` and `BackupAndRestore` (the
+script's and `keras-dist launch --backup-dir`'s, via `callbacks_for_this_worker`), what the
+other processes run instead (nothing, or a stand-in saving into scratch where a save is a
+collective), the script's own `save`/`save_weights`/`export` (`script_saves`), and the
+gathers of sharded optimizer state (`optimizer_sharding`), which need the weights whole. A strategy declares its engine's answers when it is made, as it
 declares its `InputPlan`; the part holds no engine.
 """
 
@@ -36,7 +36,7 @@ class CheckpointIO:
             every process enters it). Default: they always are.
         split_weight_ids: the ids of the weights split over processes now (one copy in
             the job, not one per process). Default: none.
-        saves_within: context in which the chief's saves run (JAX: on this process's
+        saves_within: context in which a process writes the model (JAX: on this process's
             devices alone; split weights: gathered whole). Default: none.
         restores_within: `BackupAndRestore`'s restore at fit's start runs in
             `saves_within` too.
@@ -45,13 +45,18 @@ class CheckpointIO:
     """
 
     def __init__(self, *, whole_weights: ModelContext = _no_context,
-                 split_weight_ids: Callable[[], Collection[int]] = tuple, saves_within: ModelContext | None = None,
+                 split_weight_ids: Callable[[], Collection[int]] = tuple, saves_within: ModelContext = _no_context,
                  restores_within: bool = False, workers_save_in_scratch: bool = False) -> None:
         self.whole_weights = whole_weights
         self._split_weight_ids = split_weight_ids
         self._saves_within = saves_within
         self._restores_within = restores_within
         self._workers_save_in_scratch = workers_save_in_scratch
+
+    def saving(self, model: keras.Model) -> contextlib.AbstractContextManager[Any]:
+        """Context in which this process writes `model`: the chief's saves, and a save of the
+        script's own (`script_saves`)."""
+        return self._saves_within(model)
 
     def replicated_weights(self, weights: Sequence[keras.Variable]) -> list:
         """Those of `weights` each process holds a copy of, which can differ across processes."""
@@ -63,14 +68,14 @@ class CheckpointIO:
         its restore) inside the engine's `saves_within`; the other hooks, off the per-batch
         path, and the log callbacks, which only read, as they are."""
         saves = isinstance(callback, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore))
-        if self._saves_within is None or not saves or is_overridden(callback, _WRAPPED):
+        if self._saves_within is _no_context or not saves or is_overridden(callback, _WRAPPED):
             return callback
         hooks = {"_save_model": keras_internals.save_method(callback)}
         if self._restores_within and isinstance(callback, keras.callbacks.BackupAndRestore):
             hooks["on_train_begin"] = callback.on_train_begin
         for name, hook in hooks.items():
             def within(*args: Any, _hook: Callable[..., Any] = hook, **kwargs: Any) -> Any:
-                with self._saves_within(callback.model):
+                with self.saving(callback.model):
                     return _hook(*args, **kwargs)
 
             override(callback, name, within)

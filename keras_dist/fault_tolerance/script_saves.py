@@ -19,7 +19,7 @@ compiled, those three methods are replaced on the model object (`install`):
   after the wait bound (the step timeout's first value, longer while the chief's staging
   directory still grows) one line says so and names the fix.
 
-On JAX the chief saves on its own copy of the weights (`Replicas.process_local_steps`):
+On JAX the chief saves on its own copy of the weights (`CheckpointIO.saving`):
 under Keras's multi-process distribution each variable Keras makes while saving is a
 collective, which hung a chief saving alone. Paths Keras writes elsewhere than the local
 file system (`gs://`, `hf://`) and file objects are the chief's alone, with no wait.
@@ -68,19 +68,19 @@ def install(model: keras.Model, replicas: "Replicas") -> None:
 def _once_from_the_chief(model: keras.Model, replicas: "Replicas", keras_method: Callable[..., Any]) -> Callable[..., Any]:
     def save(filepath: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(filepath, (str, os.PathLike)):  # a file object: this process's own
-            with replicas.process_local_steps(model):
+            with replicas.checkpoint_io.saving(model):
                 return keras_method(filepath, *args, **kwargs)
         if "://" in os.fspath(filepath):  # Keras writes it through its own file layer: the chief's alone
             if not replicas.is_chief:
                 return None
-            with replicas.process_local_steps(model):
+            with replicas.checkpoint_io.saving(model):
                 return keras_method(filepath, *args, **kwargs)
         path = os.path.abspath(os.fspath(filepath))
         count, record = count_save(path), CommitRecord.on_file(path)
         if not replicas.is_chief:
             wait_for_chief(record, count, replicas)
             return None
-        with replicas.process_local_steps(model):
+        with replicas.checkpoint_io.saving(model):
             result = _write_committed(path, keras_method, args, kwargs)
         record_commit(record, count)
         return result
