@@ -76,26 +76,33 @@ def _once_from_the_chief(model: keras.Model, replicas: "Replicas", keras_method:
             with replicas.checkpoint_io.saving(model):
                 return keras_method(filepath, *args, **kwargs)
         path = os.path.abspath(os.fspath(filepath))
-        count, record = count_save(path), CommitRecord.on_file(path)
-        if not replicas.is_chief:
-            wait_for_chief(record, count, replicas)
-            return None
-        with replicas.checkpoint_io.saving(model):
-            result = _write_committed(path, keras_method, args, kwargs)
-        record_commit(record, count)
-        return result
+
+        def write() -> Any:
+            with replicas.checkpoint_io.saving(model):
+                return _write_committed(path, keras_method, args, kwargs)
+
+        return written_once(replicas, path, CommitRecord.on_file(path), write, elsewhere=None)
 
     return save
 
 
-# This process's saves so far, by absolute path.
+# This process's saves so far, by series (a file's absolute path, or a directory and name).
 _SAVES: dict[str, int] = {}
 
 
-def count_save(path: str) -> int:
-    """Counts one more save of `path` by this process; returns how many so far."""
-    _SAVES[path] = count = _SAVES.get(path, 0) + 1
-    return count
+def written_once(replicas: "Replicas", series: str, record: "CommitRecord", write: Callable[[], Any],
+                 elsewhere: Any) -> Any:
+    """One save that every process makes, written by the chief alone: the chief runs `write`
+    and records in `record` how many saves of `series` it has committed; every other
+    process waits for that count (its own saves of `series` so far), then returns
+    `elsewhere`, writing nothing."""
+    _SAVES[series] = count = _SAVES.get(series, 0) + 1
+    if not replicas.is_chief:
+        _wait_for_chief(record, count, replicas)
+        return elsewhere
+    result = write()
+    _record_commit(record, count)
+    return result
 
 
 def _write_committed(path: str, keras_method: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -162,7 +169,7 @@ class CommitRecord:
         return cls(saved, directory, f"{RECORD_ATTRIBUTE}.{series}", os.path.join(directory, RECORD_PREFIX + series))
 
 
-def record_commit(record: CommitRecord, count: int) -> None:
+def _record_commit(record: CommitRecord, count: int) -> None:
     """Says, in `record`, that the chief's first `count` saves are committed."""
     value = json.dumps({"committed": count, "at": time.time()}).encode()
     try:
@@ -203,7 +210,7 @@ def _staging_size(path: str) -> int:
     return total
 
 
-def wait_for_chief(record: CommitRecord, count: int, replicas: "Replicas") -> None:
+def _wait_for_chief(record: CommitRecord, count: int, replicas: "Replicas") -> None:
     """Returns once the chief has committed its `count`-th save (`record`); one line after
     the step timeout's first value without it (or without its save growing on disk)."""
     timeout, rank, path = replicas.step_timeout.first, replicas.rank, record.saved

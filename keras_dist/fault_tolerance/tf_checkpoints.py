@@ -28,7 +28,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from keras_dist import variable_creation
-from keras_dist.fault_tolerance.script_saves import CommitRecord, count_save, record_commit, wait_for_chief
+from keras_dist.fault_tolerance.script_saves import CommitRecord, written_once
 from keras_dist.overrides import override
 
 if TYPE_CHECKING:
@@ -78,12 +78,7 @@ def _once_from_the_chief(replicas: "Replicas", tensorflow_write: Any) -> Any:
         # One series per directory and name: `save` numbers its files (ckpt-1, ckpt-2), and a
         # manager deletes old ones, so the record is on the directory, not on a file.
         series = re.sub(r"-\d+$", "", name)
-        count, record = count_save(os.path.join(directory, series)), CommitRecord.in_directory(path, directory, series)
-        if not replicas.is_chief:
-            wait_for_chief(record, count, replicas)
-            return os.fspath(file_prefix)
-        saved = tensorflow_write(file_prefix, options=options)
-        record_commit(record, count)
-        return saved
+        return written_once(replicas, os.path.join(directory, series), CommitRecord.in_directory(path, directory, series),
+                            lambda: tensorflow_write(file_prefix, options=options), elsewhere=os.fspath(file_prefix))
 
     return write

@@ -2,7 +2,7 @@
 
 Selection order (first match wins), documented in docs/backends.md (Selection):
   1. `keras_dist.init(backend=...)`, then the `KERAS_DIST_BACKEND` environment variable;
-  2. the launcher that started the process, in `REGISTRY` order (`detect`);
+  2. the launcher that started the process, in `REGISTRY` order (`ProcessSetup.detect`);
   3. `single`, a plain process.
 """
 
