@@ -4,8 +4,9 @@ Every save goes through it: the chief's `ModelCheckpoint` and `BackupAndRestore`
 script's and `keras-dist launch --backup-dir`'s, via `callbacks_for_this_worker`), what the
 other processes run instead (nothing, or a stand-in saving into scratch where a save is a
 collective), the script's own `save`/`save_weights`/`export` (`script_saves`), and the
-gathers of sharded optimizer state (`optimizer_sharding`), which need the weights whole. A strategy declares its engine's answers when it is made, as it
-declares its `InputPlan`; the part holds no engine.
+gathers of sharded optimizer state (`optimizer_sharding`), which need the weights whole.
+A strategy declares its engine's answers when it is made, as it declares its `InputPlan`;
+the part holds no engine.
 """
 
 import contextlib

@@ -69,8 +69,7 @@ class MultiWorkerMirroredSetup(ProcessSetup):
         global _strategy
         if _strategy is None:
             binding.restart_with_binding()
-            _configure_heartbeats(environment, timeouts.policy(chosen))
-            _strategy = _make_strategy(chosen)
+            _strategy = _make_strategy(chosen, environment)
 
     @classmethod
     def cluster_environment(cls, environ: Mapping[str, str], detected: ClusterEnvironment) -> TFConfigEnvironment:
@@ -110,7 +109,7 @@ class MultiWorkerMirroredStrategy(TFDistributeStrategy):
         self.checkpoint_io = CheckpointIO(workers_save_in_scratch=True)
 
     def make_strategy(self) -> "tf.distribute.Strategy":
-        return _strategy if _strategy is not None else _make_strategy(self.settings)
+        return _strategy if _strategy is not None else _make_strategy(self.settings, self.environment)
 
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
         from keras_dist.callbacks.sync_state import check_same_variables
@@ -226,7 +225,7 @@ def _configure_heartbeats(environment: TFConfigEnvironment, policy: timeouts.Ste
                                                                            num_tasks=len(environment.cluster[kind]))
 
 
-def _make_strategy(chosen: Settings) -> "tf.distribute.MultiWorkerMirroredStrategy":
+def _make_strategy(chosen: Settings, environment: TFConfigEnvironment) -> "tf.distribute.MultiWorkerMirroredStrategy":
     import tensorflow as tf
 
     from keras_dist.keras_workarounds import with_undivided_losses
@@ -251,6 +250,8 @@ def _make_strategy(chosen: Settings) -> "tf.distribute.MultiWorkerMirroredStrate
 
             return tf_data.distribute_share(self, dataset, options)
 
+    # Before the strategy, which configures a coordination service only where none is.
+    _configure_heartbeats(environment, timeouts.policy(chosen))
     try:
         return PreShardedMultiWorkerMirroredStrategy()
     except RuntimeError as exc:
