@@ -3,7 +3,9 @@ processes keeps Adam's moments for about 1/N of the variables, and the job train
 unsharded one, and as one process at the global batch."""
 
 import json
+import re
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -144,6 +146,26 @@ def test_a_model_that_does_not_fit_under_a_memory_cap_trains_sharded(tmp_path, k
     assert "Traceback" not in output, output[-3000:]
     code, output = run([*job, *shard_argument], 300, {"KERAS_BACKEND": keras_backend, **shard_setting})
     assert code == 0 and output.count("trained 67166218") == 2, output[-3000:]
+
+
+def test_a_jax_step_left_unfinished_by_a_process_short_of_memory_ends_the_job_in_one_line():
+    """One process capped under what it needs: XLA's CPU client leaves a step unfinished
+    instead of failing (here the uncapped rank's: the capped one's part of the all-reduce
+    never came), and every process still beats. The job ends once every process waited the
+    step timeout, each in one line naming the rank short of memory and shard=."""
+    pytest.importorskip("jax")
+    timeout = 20
+    started = time.monotonic()
+    code, output = run([BIN / "keras-dist", "launch", "-n", 2, WORKERS / "memory_cap.py", 1700, "--shard", "optimizer",
+                        "--cap-rank", 1], 240, {"KERAS_BACKEND": "jax", "KERAS_DIST_STEP_TIMEOUT": str(timeout)})
+    took = time.monotonic() - started
+    lines = [line for line in output.splitlines() if "KerasDistError: the job stalled" in line]
+    assert code != 0 and len(lines) == 2 and "Traceback" not in output, output[-3000:]
+    for line in lines:
+        assert "likely short of memory: rank 1;" in line and "shard='weights'" in line, line
+        waited = [float(w) for w in re.findall(r"waits (\d+) s", line)]
+        assert waited and max(waited) <= timeout + 6, line  # a beat's period late at most
+    assert took < 120, took
 
 
 @pytest.mark.parametrize("keras_backend, level", rotated(LEVELS, ("tensorflow", "optimizer"), MATRIX))

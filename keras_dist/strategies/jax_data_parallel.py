@@ -22,13 +22,10 @@ or any launcher whose cluster environment names a coordinator (torchrun-style va
 Slurm's `srun`, or Keras's own `KERAS_DISTRIBUTION_*` variables), with `KERAS_BACKEND=jax`.
 """
 
-import atexit
 import contextlib
 import logging
-import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +38,7 @@ from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy
+from keras_dist.strategies.jax_peer_watch import PeerWatch, coordination_client, give_up
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
 from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
 from keras_dist.overrides import override
@@ -51,8 +49,8 @@ logger = logging.getLogger("keras_dist")
 
 # Set by `prepare_process`: JAX's process group must start before any JAX computation.
 _started = False
-# The job's `_PeerWatch`, once the process group started (several processes).
-_peer_watch: "_PeerWatch | None" = None
+# The job's `PeerWatch`, once the process group started (several processes).
+_peer_watch: PeerWatch | None = None
 
 
 def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> None:
@@ -93,16 +91,16 @@ def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> N
                     f"the other machines reach, or raise {timeouts.STEP_TIMEOUT_VARIABLE} if the processes start that far apart")
         # JAX's client aborts the process with a stack trace when its registration times
         # out (LOG(FATAL)), so keras_dist ends it first, in one line.
-        watchdog = threading.Timer(start, _give_up, (unjoined,))
+        watchdog = threading.Timer(start, give_up, (unjoined,))
         watchdog.daemon = True
         watchdog.start()
         later = step_timeout.later
         try:
-            # JAX's heartbeats end the job too, after keras_dist's own `_PeerWatch` (at twice its
+            # JAX's heartbeats end the job too, after keras_dist's own `PeerWatch` (at twice its
             # timeout plus a margin: at equal timeouts JAX's abort, a C++ stack trace, came first).
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=environment.size,
                                        process_id=environment.rank, initialization_timeout=int(start) + 5,
-                                       heartbeat_timeout_seconds=2 * int(later) + _PeerWatch.MARGIN_SECONDS,
+                                       heartbeat_timeout_seconds=2 * int(later) + PeerWatch.MARGIN_SECONDS,
                                        local_device_ids=gpus,
                                        coordinator_bind_address=None if bind is None or chosen.bind_all
                                        else f"{bind}:{port}")
@@ -113,7 +111,7 @@ def _start_process_group(environment: ClusterEnvironment, chosen: Settings) -> N
             watchdog.cancel()
         if address is not None:
             _gloo_advertises(address)
-        _peer_watch = _PeerWatch(_coordination_client(), environment.rank, environment.size, later)
+        _peer_watch = PeerWatch(coordination_client(), environment.rank, environment.size, step_timeout)
         _peer_watch.start()
     _started = True
 
@@ -144,108 +142,6 @@ def _local_gpus(environ: Mapping[str, str], environment: ClusterEnvironment) -> 
     return list(range(environment.local_rank * each, (environment.local_rank + 1) * each))
 
 
-def _coordination_client():
-    """The client of JAX's coordination service (its key-value store), once the process group started."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
-
-
-class _PeerWatch:
-    """Ends this process in one line naming the process and host that stopped answering.
-
-    JAX's heartbeats end the job as well, but by aborting with a C++ stack trace that
-    names a task number, and their Python callback cannot be set (jaxlib 0.10:
-    `get_distributed_runtime_client(missed_heartbeat_callback=...)` fails with
-    std::bad_cast). So each process also beats in the coordination service's key-value
-    store, with JAX's heartbeat timeout at twice this watch's plus `MARGIN_SECONDS` seconds. Beats
-    run on threads of their own (the store's calls release the GIL): a busy process keeps
-    beating; only a frozen or cut-off one stops. A process that ends marks itself done.
-    """
-
-    MARGIN_SECONDS = 10
-    DONE = "done"
-
-    def __init__(self, client, rank: int, size: int, timeout: float):
-        self._client, self._rank, self._timeout = client, rank, timeout
-        client.key_value_set(f"keras_dist/host/{rank}", socket.gethostname())
-        self._hosts = [client.blocking_key_value_get(f"keras_dist/host/{r}", int(timeout * 1000)) for r in range(size)]
-        now = time.monotonic()
-        self._answered = now  # when the coordinator last answered
-        self._seen = {r: (None, now) for r in range(size) if r != rank}  # last beat, when it changed
-        self._done = threading.Event()
-
-    def start(self) -> None:
-        atexit.register(self._finish)  # after JAX's own exit handler, so it runs first
-        for target in (self._beat, self._check):
-            threading.Thread(target=target, name=f"keras_dist {target.__name__[1:]}", daemon=True).start()
-
-    def all_arrive(self, label: str) -> None:
-        """Returns once every process has called it with `label` (the same sequence of labels
-        everywhere); raises `PeerFailure` naming the processes that ended or did not come
-        within the watch's timeout. A JAX collective would wait forever for a process that
-        ended cleanly (a save on the chief alone)."""
-        self._client.key_value_set(f"keras_dist/arrived/{label}/{self._rank}", "1")
-        waiting = set(range(len(self._hosts))) - {self._rank}
-        deadline = time.monotonic() + self._timeout
-        while waiting:
-            for rank in list(waiting):
-                with contextlib.suppress(Exception):  # not there yet
-                    if self._client.key_value_try_get(f"keras_dist/arrived/{label}/{rank}"):
-                        waiting.discard(rank)
-            ended = [r for r in waiting if self._has_ended(r)]
-            if ended or (waiting and time.monotonic() > deadline):
-                late = ended or sorted(waiting)
-                raise PeerFailure([f"rank {r} on {self._hosts[r]}" for r in late], None if ended else f"{self._timeout:g} s",
-                                  "call it on every process", exited=bool(ended))
-            if waiting:
-                time.sleep(0.05)
-
-    def _has_ended(self, rank: int) -> bool:
-        with contextlib.suppress(Exception):
-            return self._client.key_value_try_get(f"keras_dist/beat/{rank}") == self.DONE
-        return False
-
-    def _finish(self) -> None:
-        self._done.set()
-        with contextlib.suppress(Exception):
-            self._client.key_value_set(f"keras_dist/beat/{self._rank}", self.DONE, allow_overwrite=True)
-
-    def _beat(self) -> None:
-        interval, count = self._timeout / 6, 0
-        while not self._done.wait(interval):
-            count += 1
-            try:
-                self._client.key_value_set(f"keras_dist/beat/{self._rank}", str(count), allow_overwrite=True)
-            except Exception:  # the coordinator stopped answering: `_check` says so, in one line
-                continue
-            for rank, (last, _) in list(self._seen.items()):
-                with contextlib.suppress(Exception):  # not beaten yet
-                    beat = self._client.key_value_try_get(f"keras_dist/beat/{rank}")
-                    if beat == self.DONE:
-                        del self._seen[rank]
-                    elif beat != last:
-                        self._seen[rank] = (beat, time.monotonic())
-            self._answered = time.monotonic()
-
-    def _check(self) -> None:
-        while not self._done.wait(1):
-            now = time.monotonic()
-            silent = [r for r, (_, changed) in list(self._seen.items()) if now - changed > self._timeout]
-            if now - self._answered > self._timeout:
-                silent = [0]
-            if silent and not self._done.is_set():
-                stopped = [f"rank {r} on {self._hosts[r]}" + (" (JAX's coordinator)" if r == 0 else "") for r in silent]
-                failure = PeerFailure(stopped, f"{self._timeout:g} s",
-                                      f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if it can be that busy")
-                _give_up(f"PeerFailure: {failure}")
-
-
-def _give_up(message: str) -> None:
-    logger.error(message)
-    os._exit(1)
-
-
 def _gloo_advertises(address):
     """Makes JAX's gloo collectives advertise `address`, not what the host name resolves to.
 
@@ -258,7 +154,7 @@ def _gloo_advertises(address):
     from jax._src.lib import _jax
 
     def cpu_backend():
-        collectives = _jax.make_gloo_tcp_collectives(distributed_client=_coordination_client(),
+        collectives = _jax.make_gloo_tcp_collectives(distributed_client=coordination_client(),
                                                      hostname=address)
         return xla_bridge.make_cpu_client(collectives=collectives)
 
@@ -313,9 +209,12 @@ class JaxSetup(ProcessSetup):
 
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
-        # Steps are not timed: `_PeerWatch` ends the job when a process stops beating
-        # (beats run on threads of their own, so a long first step does not stop them).
-        return f"{policy.first:g} s", f"{policy.later:g} s without a beat", f"{policy.later:g} s without a beat"
+        # `PeerWatch` ends the job when a process stops beating (beats run on threads of their
+        # own, so a long first step does not stop them), and when a step or host collective
+        # waited `first` s, or `later` s once the job is stalled.
+        stalled = "" if policy.first == policy.later else f", {policy.later:g} s once stalled"
+        waits = f"{policy.later:g} s without a beat; {policy.first:g} s in a step or host collective{stalled}"
+        return f"{policy.first:g} s", waits, waits
 
 
 class JaxDataParallelStrategy(Strategy):
@@ -336,7 +235,7 @@ class JaxDataParallelStrategy(Strategy):
 
         _start_process_group(self.environment, self.settings)
         self._jax = jax
-        self.collectives = JaxProcesses(jax)
+        self.collectives = JaxProcesses(jax, _peer_watch.in_collective if _peer_watch else contextlib.nullcontext)
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
         self._local_depth = 0
         self._gathers = 0  # `_whole_values` calls so far, which every process counts alike
@@ -361,7 +260,9 @@ class JaxDataParallelStrategy(Strategy):
             # were made on one device, where `on_the_mesh` could not see them yet.
             if keras.distribution.distribution() is self.distribution:
                 _replicate(_variables_of(model), self._split_weights)
-            return make_train_function(force)
+            make_train_function(force)
+            if _peer_watch is not None:
+                model.train_function = _peer_watch.timed_steps(model.train_function, model.steps_per_execution)
 
         override(model, "make_train_function", make_train_function_on_the_mesh)
         return model
@@ -396,7 +297,7 @@ class JaxDataParallelStrategy(Strategy):
             self._split_weights.clear()
 
     def _who_exited(self, error: Exception) -> PeerFailure:
-        """A peer closed its connections: it ended (a frozen one times out instead, `_PeerWatch`).
+        """A peer closed its connections: it ended (a frozen one times out instead, `PeerWatch`).
         Rank 0 serves JAX's coordination service, whose port then refuses connections."""
         from jax._src import distributed
 

@@ -1,6 +1,6 @@
 """An MLP trained with Adam in a process whose memory is capped: the script of a model that does not fit.
 
-    python memory_cap.py CAP_MIB [--shard optimizer|weights] [--width W]
+    python memory_cap.py CAP_MIB [--shard optimizer|weights] [--width W] [--cap-rank R]
 
 Caps this process's data memory at CAP_MIB MiB (`RLIMIT_DATA`: its heap and private
 writable mappings, where NumPy's, PyTorch's and XLA's CPU buffers live; unlike a cgroup's
@@ -12,15 +12,18 @@ process, and prints "trained".
 """
 
 import argparse
+import os
 import resource
 
 parser = argparse.ArgumentParser()
 parser.add_argument("cap_mib", type=int)
 parser.add_argument("--shard", choices=["optimizer", "weights"])
 parser.add_argument("--width", type=int, default=4096)
+parser.add_argument("--cap-rank", type=int, help="cap this local rank alone (one machine running short)")
 args = parser.parse_args()
 # Set before the frameworks load: what they allocate at import counts, as on a device.
-resource.setrlimit(resource.RLIMIT_DATA, (args.cap_mib * 2**20, args.cap_mib * 2**20))
+if args.cap_rank is None or int(os.environ["LOCAL_RANK"]) == args.cap_rank:
+    resource.setrlimit(resource.RLIMIT_DATA, (args.cap_mib * 2**20, args.cap_mib * 2**20))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

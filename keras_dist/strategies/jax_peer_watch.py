@@ -1,0 +1,254 @@
+"""JAX's process group, watched: a process that stops beating, and a step or host collective that never ends.
+
+JAX bounds neither. Its heartbeats end a job whose process froze, but by aborting with a
+C++ stack trace, and its gloo collectives wait for ever. And a process can keep beating
+while its step never finishes: on XLA's CPU client, an allocation that fails inside a
+running computation (under a memory cap, at the edge) leaves the step's outputs never
+ready, and the other processes wait for it in their next collective, for ever
+(bench/results/2026-11-27-cpu-2core-sharding-jax.md). So each process times its own
+waits, and tells the others, in JAX's key-value store, what it waits in.
+"""
+
+import atexit
+import contextlib
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from keras_dist import errors, timeouts
+from keras_dist.errors import KerasDistError, PeerFailure
+
+logger = logging.getLogger("keras_dist")
+
+# What a process waits in, as its beats say: a step it dispatched, a host collective, or
+# neither (its own work: input, a callback, a save, compiling the step).
+STEP, COLLECTIVE, OWN_WORK = "step", "collective", "own"
+
+_FIX = ("a process short of memory can leave its step unfinished instead of failing (XLA's CPU client): "
+        "keras_dist.compile(model, ..., shard='weights') keeps 1/N of the weights and the optimizer's state on each "
+        "of N processes (docs/sharding.md), or train with a smaller batch; "
+        f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if steps are that slow")
+
+
+def coordination_client():
+    """The client of JAX's coordination service (its key-value store), once the process group started."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def give_up(message: str) -> None:
+    logger.error(message)
+    os._exit(1)
+
+
+class PeerWatch:
+    """Ends this process in one line naming the process that stopped answering, or whose
+    step (or host collective) did not finish.
+
+    Beats: JAX's heartbeat callback cannot be set (jaxlib 0.10:
+    `get_distributed_runtime_client(missed_heartbeat_callback=...)` fails with
+    std::bad_cast). So each process also beats in the coordination service's key-value
+    store, with JAX's heartbeat timeout at twice this watch's plus `MARGIN_SECONDS`
+    seconds. Beats run on threads of their own (the store's calls release the GIL): a
+    busy process keeps beating; only a frozen or cut-off one stops. A process that ends
+    marks itself done.
+
+    Waits: each beat also says what the process waits in (`STEP`, `COLLECTIVE` or
+    `OWN_WORK`) and for how long. A step's clock runs from when it is dispatched, or the
+    one before it finished, to when its outputs are ready (a thread of its own waits for
+    them, so the main thread keeps dispatching ahead). A step or collective that waited
+    the step timeout's `first` seconds ends the process; one that waited its `later`
+    seconds does too once the job is stalled (`_stalled`: every process waits, none busy
+    with a save or its input, some for a step).
+    """
+
+    MARGIN_SECONDS = 10
+    DONE = "done"
+
+    def __init__(self, client, rank: int, size: int, step_timeout: timeouts.StepTimeout):
+        self._client, self._rank = client, rank
+        self._timeout, self._first = step_timeout.later, step_timeout.first
+        client.key_value_set(f"keras_dist/host/{rank}", socket.gethostname())
+        self._hosts = [client.blocking_key_value_get(f"keras_dist/host/{r}", int(self._timeout * 1000)) for r in range(size)]
+        now = time.monotonic()
+        self._answered = now  # when the coordinator last answered
+        self._seen = {r: (None, now) for r in range(size) if r != rank}  # last beat, when it changed
+        self._done = threading.Event()
+        self._steps: "queue.SimpleQueue[tuple[Any, float, int]]" = queue.SimpleQueue()
+        self._step: tuple[float, int] | None = None  # the oldest unfinished step: since, steps in its call
+        self._steps_done = 0
+        self._collective_since: float | None = None
+
+    def start(self) -> None:
+        atexit.register(self._finish)  # after JAX's own exit handler, so it runs first
+        for target in (self._beat, self._check, self._wait_for_steps):
+            threading.Thread(target=target, name=f"keras_dist {target.__name__[1:]}", daemon=True).start()
+
+    # --- what this process waits in ------------------------------------------------
+    def timed_steps(self, train_function: Callable, steps_per_call: int) -> Callable:
+        """`train_function` (Keras's, `(state, data) -> (logs, state)`), its steps timed."""
+        if getattr(train_function, "_keras_dist_timed", False):
+            return train_function
+
+        def timed(state, data):
+            logs, state = train_function(state, data)
+            self._steps.put((logs, time.monotonic(), steps_per_call))
+            return logs, state
+
+        timed._keras_dist_timed = True
+        return timed
+
+    @contextlib.contextmanager
+    def in_collective(self) -> Iterator[None]:
+        """Times a host collective (`JaxProcesses`) as a wait of this process."""
+        self._collective_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._collective_since = None
+
+    def _wait_for_steps(self) -> None:
+        import jax
+
+        finished = 0.0
+        while True:
+            logs, dispatched, steps = self._steps.get()
+            self._step = (max(dispatched, finished), steps)
+            with contextlib.suppress(Exception):  # a failed step: the main thread raises its error
+                jax.block_until_ready(logs)
+            del logs
+            finished = time.monotonic()
+            self._step = None
+            self._steps_done += 1
+
+    def _waiting(self, now: float) -> tuple[str, float]:
+        """What this process waits in, and for how long (per step of the call)."""
+        step = self._step
+        if step is not None:
+            return STEP, (now - step[0]) / step[1]
+        since = self._collective_since
+        if since is not None:
+            return COLLECTIVE, now - since
+        return OWN_WORK, 0.0
+
+    # --- beats -------------------------------------------------------------------
+    def all_arrive(self, label: str) -> None:
+        """Returns once every process has called it with `label` (the same sequence of labels
+        everywhere); raises `PeerFailure` naming the processes that ended or did not come
+        within the watch's timeout. A JAX collective would wait forever for a process that
+        ended cleanly (a save on the chief alone)."""
+        self._client.key_value_set(f"keras_dist/arrived/{label}/{self._rank}", "1")
+        waiting = set(range(len(self._hosts))) - {self._rank}
+        deadline = time.monotonic() + self._timeout
+        while waiting:
+            for rank in list(waiting):
+                with contextlib.suppress(Exception):  # not there yet
+                    if self._client.key_value_try_get(f"keras_dist/arrived/{label}/{rank}"):
+                        waiting.discard(rank)
+            ended = [r for r in waiting if self._has_ended(r)]
+            if ended or (waiting and time.monotonic() > deadline):
+                late = ended or sorted(waiting)
+                raise PeerFailure([f"rank {r} on {self._hosts[r]}" for r in late], None if ended else f"{self._timeout:g} s",
+                                  "call it on every process", exited=bool(ended))
+            if waiting:
+                time.sleep(0.05)
+
+    def _has_ended(self, rank: int) -> bool:
+        with contextlib.suppress(Exception):
+            return self._client.key_value_try_get(f"keras_dist/beat/{rank}") == self.DONE
+        return False
+
+    def _finish(self) -> None:
+        self._done.set()
+        with contextlib.suppress(Exception):
+            self._client.key_value_set(f"keras_dist/beat/{self._rank}", self.DONE, allow_overwrite=True)
+
+    def _beat(self) -> None:
+        interval, count = self._timeout / 6, 0
+        while not self._done.wait(interval):
+            count += 1
+            kind, waited = self._waiting(time.monotonic())
+            try:
+                self._client.key_value_set(f"keras_dist/beat/{self._rank}",
+                                           f"{count} {kind} {waited:.1f} {' '.join(map(str, _memory()))}",
+                                           allow_overwrite=True)
+            except Exception:  # the coordinator stopped answering: `_check` says so, in one line
+                continue
+            for rank, (last, _) in list(self._seen.items()):
+                with contextlib.suppress(Exception):  # not beaten yet
+                    beat = self._client.key_value_try_get(f"keras_dist/beat/{rank}")
+                    if beat == self.DONE:
+                        del self._seen[rank]
+                    elif beat != last:
+                        self._seen[rank] = (beat, time.monotonic())
+            self._answered = time.monotonic()
+
+    def _check(self) -> None:
+        while not self._done.wait(1):
+            now = time.monotonic()
+            silent = [r for r, (_, changed) in list(self._seen.items()) if now - changed > self._timeout]
+            if now - self._answered > self._timeout:
+                silent = [0]
+            if silent and not self._done.is_set():
+                stopped = [f"rank {r} on {self._hosts[r]}" + (" (JAX's coordinator)" if r == 0 else "") for r in silent]
+                failure = PeerFailure(stopped, f"{self._timeout:g} s",
+                                      f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if it can be that busy")
+                give_up(f"PeerFailure: {failure}")
+            kind, waited = self._waiting(now)
+            if kind != OWN_WORK and (waited > self._first or (waited > self._timeout and self._stalled())):
+                errors.end_process(KerasDistError(self._stall_line()))
+
+    # --- a stalled job -------------------------------------------------------------
+    def _waits(self) -> dict[int, tuple[str, float, int, int]]:
+        """Each rank's wait as its last beat said (this one's as now): kind, seconds, its
+        memory cap and peak resident memory in MiB (`_memory`)."""
+        waits = {}
+        for rank, (beat, _) in list(self._seen.items()):
+            fields = (beat or "").split()
+            waits[rank] = ((fields[1], float(fields[2]), int(fields[3]), int(fields[4])) if len(fields) == 5
+                           else (OWN_WORK, 0.0, 0, 0))
+        waits[self._rank] = (*self._waiting(time.monotonic()), *_memory())
+        return waits
+
+    def _stalled(self) -> bool:
+        """Every process has waited a while, none busy with work of its own that the others
+        wait for, and some for a step: past this process's first steps (they may start
+        collectives lazily), or while some process went on past it, into a host collective.
+        (All in host collectives may be a long transfer: `first` bounds those.)"""
+        kinds = set()
+        for kind, waited, _, _ in self._waits().values():
+            if kind == OWN_WORK or waited < self._timeout / 2:
+                return False
+            kinds.add(kind)
+        return STEP in kinds and (self._steps_done >= timeouts.FIRST_STEPS or COLLECTIVE in kinds)
+
+    def _stall_line(self) -> str:
+        """What every process waits in, and which ran close to its memory cap."""
+        said = {STEP: "waits {:.0f} s for its step to finish", COLLECTIVE: "waits {:.0f} s in a host collective",
+                OWN_WORK: "is busy outside a step (its input, a callback, a save)"}
+        states, short = [], []
+        for rank, (kind, waited, cap, peak) in sorted(self._waits().items()):
+            memory = f" (peak RSS {peak} MiB of a {cap} MiB cap)" if cap else ""
+            states.append(f"rank {rank} on {self._hosts[rank]}{memory} {said[kind].format(waited)}")
+            if cap and peak >= 0.8 * cap:
+                short.append(f"rank {rank}")
+        likely = f"; likely short of memory: {', '.join(short)}" if short else ""
+        return f"the job stalled: {'; '.join(states)}{likely}; {_FIX}"
+
+
+def _memory() -> tuple[int, int]:
+    """This process's memory cap (`RLIMIT_DATA` or `RLIMIT_AS`, the limits under which an
+    allocation fails; 0: none) and its peak resident memory, in MiB (0, 0 without POSIX's `resource`)."""
+    try:
+        import resource
+    except ImportError:
+        return 0, 0
+    caps = [resource.getrlimit(limit)[0] for limit in (resource.RLIMIT_DATA, resource.RLIMIT_AS)]
+    cap = min((c for c in caps if c != resource.RLIM_INFINITY), default=0)
+    return cap >> 20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
