@@ -152,7 +152,7 @@ def test_a_jax_step_left_unfinished_by_a_process_short_of_memory_ends_the_job_in
     """One process capped under what it needs: XLA's CPU client leaves a step unfinished
     instead of failing (here the uncapped rank's: the capped one's part of the all-reduce
     never came), and every process still beats. The job ends once every process waited the
-    step timeout, each in one line naming the rank short of memory and shard=."""
+    step timeout, in one line naming the rank short of memory and shard=."""
     pytest.importorskip("jax")
     timeout = 20
     started = time.monotonic()
@@ -160,7 +160,8 @@ def test_a_jax_step_left_unfinished_by_a_process_short_of_memory_ends_the_job_in
                         "--cap-rank", 1], 240, {"KERAS_BACKEND": "jax", "KERAS_DIST_STEP_TIMEOUT": str(timeout)})
     took = time.monotonic() - started
     lines = [line for line in output.splitlines() if "KerasDistError: the job stalled" in line]
-    assert code != 0 and len(lines) == 2 and "Traceback" not in output, output[-3000:]
+    # The first process to end it prints the line; the launcher then stops the other.
+    assert code != 0 and lines and "Traceback" not in output, output[-3000:]
     for line in lines:
         assert "likely short of memory: rank 1;" in line and "shard='weights'" in line, line
         waited = [float(w) for w in re.findall(r"waits (\d+) s", line)]

@@ -210,10 +210,10 @@ class JaxSetup(ProcessSetup):
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
         # `PeerWatch` ends the job when a process stops beating (beats run on threads of their
-        # own, so a long first step does not stop them), and when a step or host collective
-        # waited `first` s, or `later` s once the job is stalled.
+        # own, so a long first step does not stop them), and when no process got anywhere for
+        # `first` s, or `later` s once the job is stalled (`PeerWatch._late`).
         stalled = "" if policy.first == policy.later else f", {policy.later:g} s once stalled"
-        waits = f"{policy.later:g} s without a beat; {policy.first:g} s in a step or host collective{stalled}"
+        waits = f"{policy.later:g} s without a beat; {policy.first:g} s with no process getting anywhere{stalled}"
         return f"{policy.first:g} s", waits, waits
 
 

@@ -10,10 +10,10 @@ waits, and tells the others, in JAX's key-value store, what it waits in.
 """
 
 import atexit
+import collections
 import contextlib
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -61,11 +61,9 @@ class PeerWatch:
 
     Waits: each beat also says what the process waits in (`STEP`, `COLLECTIVE` or
     `OWN_WORK`) and for how long. A step's clock runs from when it is dispatched, or the
-    one before it finished, to when its outputs are ready (a thread of its own waits for
-    them, so the main thread keeps dispatching ahead). A step or collective that waited
-    the step timeout's `first` seconds ends the process; one that waited its `later`
-    seconds does too once the job is stalled (`_stalled`: every process waits, none busy
-    with a save or its input, some for a step).
+    one before it finished, to when its outputs are ready (seen each second off the main
+    thread, which keeps dispatching ahead). A process whose wait is late
+    (`_late`) ends in one line saying what every process waits in.
     """
 
     MARGIN_SECONDS = 10
@@ -80,14 +78,16 @@ class PeerWatch:
         self._answered = now  # when the coordinator last answered
         self._seen = {r: (None, now) for r in range(size) if r != rank}  # last beat, when it changed
         self._done = threading.Event()
-        self._steps: "queue.SimpleQueue[tuple[Any, float, int]]" = queue.SimpleQueue()
-        self._step: tuple[float, int] | None = None  # the oldest unfinished step: since, steps in its call
+        # Dispatched steps not yet seen finished, oldest first: an output, when dispatched, steps in its call.
+        self._dispatched: "collections.deque[tuple[Any, float, int]]" = collections.deque()
+        self._step: tuple[int, float, int] | None = None  # the oldest unfinished: its entry's id, since, steps
         self._steps_done = 0
         self._collective_since: float | None = None
+        self._waited_last = now  # when this process last finished waiting (a step, a collective)
 
     def start(self) -> None:
         atexit.register(self._finish)  # after JAX's own exit handler, so it runs first
-        for target in (self._beat, self._check, self._wait_for_steps):
+        for target in (self._beat, self._check):
             threading.Thread(target=target, name=f"keras_dist {target.__name__[1:]}", daemon=True).start()
 
     # --- what this process waits in ------------------------------------------------
@@ -95,10 +95,12 @@ class PeerWatch:
         """`train_function` (Keras's, `(state, data) -> (logs, state)`), its steps timed."""
         if getattr(train_function, "_keras_dist_timed", False):
             return train_function
+        import jax
 
         def timed(state, data):
             logs, state = train_function(state, data)
-            self._steps.put((logs, time.monotonic(), steps_per_call))
+            # All of a step's outputs are ready together: one stands for the step.
+            self._dispatched.append((next(iter(jax.tree.leaves(logs)), None), time.monotonic(), steps_per_call))
             return logs, state
 
         timed._keras_dist_timed = True
@@ -112,30 +114,37 @@ class PeerWatch:
             yield
         finally:
             self._collective_since = None
+            self._waited_last = time.monotonic()
 
-    def _wait_for_steps(self) -> None:
-        import jax
-
-        finished = 0.0
-        while True:
-            logs, dispatched, steps = self._steps.get()
-            self._step = (max(dispatched, finished), steps)
-            with contextlib.suppress(Exception):  # a failed step: the main thread raises its error
-                jax.block_until_ready(logs)
-            del logs
-            finished = time.monotonic()
-            self._step = None
+    def _see_finished_steps(self, now: float) -> None:
+        """Drops the dispatched steps whose outputs are ready, and starts the clock of the
+        oldest unfinished one (`_check`'s thread alone, each second: nothing on the step's path
+        but an append)."""
+        while self._dispatched:
+            output = self._dispatched[0][0]
+            with contextlib.suppress(Exception):  # a failed or deleted output: the main thread raises its error
+                if output is not None and not output.is_ready():
+                    break
+            self._dispatched.popleft()
             self._steps_done += 1
+            self._waited_last = now
+        if not self._dispatched:
+            self._step = None
+            return
+        entry = self._dispatched[0]
+        if self._step is None or self._step[0] != id(entry):
+            self._step = (id(entry), max(entry[1], self._waited_last), entry[2])
 
     def _waiting(self, now: float) -> tuple[str, float]:
-        """What this process waits in, and for how long (per step of the call)."""
+        """What this process waits in, and for how long (per step of the call); or how long
+        it has been on its own work since it last waited."""
         step = self._step
         if step is not None:
-            return STEP, (now - step[0]) / step[1]
+            return STEP, (now - step[1]) / step[2]
         since = self._collective_since
         if since is not None:
             return COLLECTIVE, now - since
-        return OWN_WORK, 0.0
+        return OWN_WORK, now - self._waited_last
 
     # --- beats -------------------------------------------------------------------
     def all_arrive(self, label: str) -> None:
@@ -192,6 +201,7 @@ class PeerWatch:
     def _check(self) -> None:
         while not self._done.wait(1):
             now = time.monotonic()
+            self._see_finished_steps(now)
             silent = [r for r, (_, changed) in list(self._seen.items()) if now - changed > self._timeout]
             if now - self._answered > self._timeout:
                 silent = [0]
@@ -200,8 +210,7 @@ class PeerWatch:
                 failure = PeerFailure(stopped, f"{self._timeout:g} s",
                                       f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if it can be that busy")
                 give_up(f"PeerFailure: {failure}")
-            kind, waited = self._waiting(now)
-            if kind != OWN_WORK and (waited > self._first or (waited > self._timeout and self._stalled())):
+            if self._late(now):
                 errors.end_process(KerasDistError(self._stall_line()))
 
     # --- a stalled job -------------------------------------------------------------
@@ -216,13 +225,26 @@ class PeerWatch:
         waits[self._rank] = (*self._waiting(time.monotonic()), *_memory())
         return waits
 
-    def _stalled(self) -> bool:
+    def _late(self, now: float) -> bool:
+        """Whether this process's wait ends the job: no process got anywhere for `first`
+        seconds (each waits, or works on its own, that long: a compile, a save), or the job
+        is stalled (`_stalled`) and this process waited `later` seconds. Decided only while
+        every peer beats: a silent one is named as such by `_check`."""
+        kind, waited = self._waiting(now)
+        if kind == OWN_WORK or any(now - changed > self._timeout / 2 for _, changed in list(self._seen.values())):
+            return False
+        waits = self._waits()
+        if all(seconds > self._first for _, seconds, _, _ in waits.values()):
+            return True
+        return waited > self._timeout and self._stalled(waits)
+
+    def _stalled(self, waits: dict[int, tuple[str, float, int, int]]) -> bool:
         """Every process has waited a while, none busy with work of its own that the others
         wait for, and some for a step: past this process's first steps (they may start
         collectives lazily), or while some process went on past it, into a host collective.
         (All in host collectives may be a long transfer: `first` bounds those.)"""
         kinds = set()
-        for kind, waited, _, _ in self._waits().values():
+        for kind, waited, _, _ in waits.values():
             if kind == OWN_WORK or waited < self._timeout / 2:
                 return False
             kinds.add(kind)
@@ -231,7 +253,7 @@ class PeerWatch:
     def _stall_line(self) -> str:
         """What every process waits in, and which ran close to its memory cap."""
         said = {STEP: "waits {:.0f} s for its step to finish", COLLECTIVE: "waits {:.0f} s in a host collective",
-                OWN_WORK: "is busy outside a step (its input, a callback, a save)"}
+                OWN_WORK: "has been busy {:.0f} s outside a step (its input, a callback, a save, a compile)"}
         states, short = [], []
         for rank, (kind, waited, cap, peak) in sorted(self._waits().items()):
             memory = f" (peak RSS {peak} MiB of a {cap} MiB cap)" if cap else ""
