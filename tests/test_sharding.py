@@ -163,9 +163,10 @@ def test_a_jax_step_left_unfinished_by_a_process_short_of_memory_ends_the_job_in
     # The first process to end it prints the line; the launcher then stops the other.
     assert code != 0 and lines and "Traceback" not in output, output[-3000:]
     for line in lines:
-        assert "likely short of memory: rank 1;" in line and "shard='weights'" in line, line
+        assert "for its step to finish" in line and "likely short of memory: rank 1;" in line, line
+        assert "shard='weights'" in line, line
         waited = [float(w) for w in re.findall(r"waits (\d+) s", line)]
-        assert waited and max(waited) <= timeout + 6, line  # a beat's period late at most
+        assert waited and max(waited) <= timeout + 10, line  # a beat or two late at most
     assert took < 120, took
 
 

@@ -210,10 +210,10 @@ class JaxSetup(ProcessSetup):
     @classmethod
     def applied_step_timeout(cls, policy: timeouts.StepTimeout) -> tuple[str, str, str]:
         # `PeerWatch` ends the job when a process stops beating (beats run on threads of their
-        # own, so a long first step does not stop them), and when no process got anywhere for
-        # `first` s, or `later` s once the job is stalled (`PeerWatch._late`).
+        # own, so a long first step does not stop them), and when every process waited in a
+        # step or host collective `first` s, or `later` s once the job is stalled (`PeerWatch._late`).
         stalled = "" if policy.first == policy.later else f", {policy.later:g} s once stalled"
-        waits = f"{policy.later:g} s without a beat; {policy.first:g} s with no process getting anywhere{stalled}"
+        waits = f"{policy.later:g} s without a beat; {policy.first:g} s with every process waiting{stalled}"
         return f"{policy.first:g} s", waits, waits
 
 
@@ -436,7 +436,8 @@ def _whole_value(variable) -> np.ndarray:
     value = keras_internals.variable_value(variable)
     if value.is_fully_addressable or value.is_fully_replicated:
         return np.asarray(value)
-    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    with _peer_watch.in_collective() if _peer_watch is not None else contextlib.nullcontext():
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def _localize(variables, split=None):

@@ -78,12 +78,13 @@ class PeerWatch:
         self._answered = now  # when the coordinator last answered
         self._seen = {r: (None, now) for r in range(size) if r != rank}  # last beat, when it changed
         self._done = threading.Event()
-        # Dispatched steps not yet seen finished, oldest first: an output, when dispatched, steps in its call.
-        self._dispatched: "collections.deque[tuple[Any, float, int]]" = collections.deque()
-        self._step: tuple[int, float, int] | None = None  # the oldest unfinished: its entry's id, since, steps
+        # Dispatched calls not yet seen finished, oldest first: number, an output, when dispatched, steps in it.
+        self._dispatched: "collections.deque[tuple[int, Any, float, int]]" = collections.deque()
+        self._calls = 0
+        self._step: tuple[int, float, int] | None = None  # the oldest unfinished call: number, since, steps
         self._steps_done = 0
         self._collective_since: float | None = None
-        self._waited_last = now  # when this process last finished waiting (a step, a collective)
+        self._step_finished = now  # when this process last saw a step finish
 
     def start(self) -> None:
         atexit.register(self._finish)  # after JAX's own exit handler, so it runs first
@@ -100,7 +101,9 @@ class PeerWatch:
         def timed(state, data):
             logs, state = train_function(state, data)
             # All of a step's outputs are ready together: one stands for the step.
-            self._dispatched.append((next(iter(jax.tree.leaves(logs)), None), time.monotonic(), steps_per_call))
+            output = next((leaf for leaf in jax.tree.leaves(logs) if hasattr(leaf, "is_ready")), None)
+            self._calls += 1
+            self._dispatched.append((self._calls, output, time.monotonic(), steps_per_call))
             return logs, state
 
         timed._keras_dist_timed = True
@@ -114,37 +117,36 @@ class PeerWatch:
             yield
         finally:
             self._collective_since = None
-            self._waited_last = time.monotonic()
 
     def _see_finished_steps(self, now: float) -> None:
         """Drops the dispatched steps whose outputs are ready, and starts the clock of the
         oldest unfinished one (`_check`'s thread alone, each second: nothing on the step's path
         but an append)."""
         while self._dispatched:
-            output = self._dispatched[0][0]
+            output = self._dispatched[0][1]
             with contextlib.suppress(Exception):  # a failed or deleted output: the main thread raises its error
                 if output is not None and not output.is_ready():
                     break
             self._dispatched.popleft()
             self._steps_done += 1
-            self._waited_last = now
+            self._step_finished = now
         if not self._dispatched:
             self._step = None
             return
-        entry = self._dispatched[0]
-        if self._step is None or self._step[0] != id(entry):
-            self._step = (id(entry), max(entry[1], self._waited_last), entry[2])
+        number, _, dispatched, steps = self._dispatched[0]
+        if self._step is None or self._step[0] != number:
+            self._step = (number, max(dispatched, self._step_finished), steps)
 
-    def _waiting(self, now: float) -> tuple[str, float]:
-        """What this process waits in, and for how long (per step of the call); or how long
-        it has been on its own work since it last waited."""
+    def _waiting(self, now: float) -> tuple[str, float, int]:
+        """What this process waits in, for how long, and how many steps that wait may take
+        (a call of `steps_per_execution` steps: that many step timeouts)."""
         step = self._step
         if step is not None:
-            return STEP, (now - step[1]) / step[2]
+            return STEP, now - step[1], step[2]
         since = self._collective_since
         if since is not None:
-            return COLLECTIVE, now - since
-        return OWN_WORK, now - self._waited_last
+            return COLLECTIVE, now - since, 1
+        return OWN_WORK, 0.0, 1
 
     # --- beats -------------------------------------------------------------------
     def all_arrive(self, label: str) -> None:
@@ -182,10 +184,10 @@ class PeerWatch:
         interval, count = self._timeout / 6, 0
         while not self._done.wait(interval):
             count += 1
-            kind, waited = self._waiting(time.monotonic())
+            kind, waited, steps = self._waiting(time.monotonic())
             try:
                 self._client.key_value_set(f"keras_dist/beat/{self._rank}",
-                                           f"{count} {kind} {waited:.1f} {' '.join(map(str, _memory()))}",
+                                           f"{count} {kind} {waited:.1f} {steps} {' '.join(map(str, _memory()))}",
                                            allow_overwrite=True)
             except Exception:  # the coordinator stopped answering: `_check` says so, in one line
                 continue
@@ -200,62 +202,71 @@ class PeerWatch:
 
     def _check(self) -> None:
         while not self._done.wait(1):
-            now = time.monotonic()
-            self._see_finished_steps(now)
-            silent = [r for r, (_, changed) in list(self._seen.items()) if now - changed > self._timeout]
-            if now - self._answered > self._timeout:
-                silent = [0]
-            if silent and not self._done.is_set():
-                stopped = [f"rank {r} on {self._hosts[r]}" + (" (JAX's coordinator)" if r == 0 else "") for r in silent]
-                failure = PeerFailure(stopped, f"{self._timeout:g} s",
-                                      f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if it can be that busy")
-                give_up(f"PeerFailure: {failure}")
-            if self._late(now):
-                errors.end_process(KerasDistError(self._stall_line()))
+            try:
+                self._check_once()
+            except Exception:  # keep watching for silent peers whatever went wrong here
+                logger.debug("keras_dist: the peer watch's check failed", exc_info=True)
+
+    def _check_once(self) -> None:
+        now = time.monotonic()
+        self._see_finished_steps(now)
+        silent = [r for r, (_, changed) in list(self._seen.items()) if now - changed > self._timeout]
+        if now - self._answered > self._timeout:
+            silent = [0]
+        if silent and not self._done.is_set():
+            stopped = [f"rank {r} on {self._hosts[r]}" + (" (JAX's coordinator)" if r == 0 else "") for r in silent]
+            failure = PeerFailure(stopped, f"{self._timeout:g} s",
+                                  f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if it can be that busy")
+            give_up(f"PeerFailure: {failure}")
+        if self._late(now):
+            line = self._stall_line()
+            self._finish()  # its peers then see it ended, not frozen
+            errors.end_process(KerasDistError(line))
 
     # --- a stalled job -------------------------------------------------------------
-    def _waits(self) -> dict[int, tuple[str, float, int, int]]:
-        """Each rank's wait as its last beat said (this one's as now): kind, seconds, its
-        memory cap and peak resident memory in MiB (`_memory`)."""
+    def _waits(self) -> dict[int, tuple[str, float, int, int, int]]:
+        """Each rank's wait as its last beat said (this one's as now): kind, seconds, steps
+        it may take, memory cap and peak resident memory in MiB (`_memory`)."""
         waits = {}
         for rank, (beat, _) in list(self._seen.items()):
             fields = (beat or "").split()
-            waits[rank] = ((fields[1], float(fields[2]), int(fields[3]), int(fields[4])) if len(fields) == 5
-                           else (OWN_WORK, 0.0, 0, 0))
+            waits[rank] = ((fields[1], float(fields[2]), *map(int, fields[3:6])) if len(fields) == 6
+                           else (OWN_WORK, 0.0, 1, 0, 0))
         waits[self._rank] = (*self._waiting(time.monotonic()), *_memory())
         return waits
 
     def _late(self, now: float) -> bool:
-        """Whether this process's wait ends the job: no process got anywhere for `first`
-        seconds (each waits, or works on its own, that long: a compile, a save), or the job
-        is stalled (`_stalled`) and this process waited `later` seconds. Decided only while
-        every peer beats: a silent one is named as such by `_check`."""
-        kind, waited = self._waiting(now)
+        """Whether this process's wait ends the job: decided only while every peer beats (a
+        silent one is named as such) and none is busy on its own (a save, its input, a
+        compile, evaluating its shard: JAX bounds none of those, and neither does this).
+        Then either every process waited `first` seconds (per step of its call), or the job
+        is stalled (`_stalled`) and this process waited `later` seconds."""
+        kind, waited, steps = self._waiting(now)
         if kind == OWN_WORK or any(now - changed > self._timeout / 2 for _, changed in list(self._seen.values())):
             return False
         waits = self._waits()
-        if all(seconds > self._first for _, seconds, _, _ in waits.values()):
+        if any(kind == OWN_WORK for kind, *_ in waits.values()):
+            return False
+        if all(seconds > self._first * steps for _, seconds, steps, _, _ in waits.values()):
             return True
-        return waited > self._timeout and self._stalled(waits)
+        return waited > self._timeout * steps and self._stalled(waits)
 
-    def _stalled(self, waits: dict[int, tuple[str, float, int, int]]) -> bool:
-        """Every process has waited a while, none busy with work of its own that the others
-        wait for, and some for a step: past this process's first steps (they may start
-        collectives lazily), or while some process went on past it, into a host collective.
-        (All in host collectives may be a long transfer: `first` bounds those.)"""
-        kinds = set()
-        for kind, waited, _, _ in waits.values():
-            if kind == OWN_WORK or waited < self._timeout / 2:
-                return False
-            kinds.add(kind)
+    def _stalled(self, waits: dict[int, tuple[str, float, int, int, int]]) -> bool:
+        """Every process has waited a while, and some for a step: past this process's first
+        steps (they may start collectives lazily), or while some process went on past it,
+        into a host collective. (All in host collectives may be a long transfer: `first`
+        bounds those.)"""
+        if any(seconds < self._timeout / 2 * steps for _, seconds, steps, _, _ in waits.values()):
+            return False
+        kinds = {kind for kind, *_ in waits.values()}
         return STEP in kinds and (self._steps_done >= timeouts.FIRST_STEPS or COLLECTIVE in kinds)
 
     def _stall_line(self) -> str:
         """What every process waits in, and which ran close to its memory cap."""
         said = {STEP: "waits {:.0f} s for its step to finish", COLLECTIVE: "waits {:.0f} s in a host collective",
-                OWN_WORK: "has been busy {:.0f} s outside a step (its input, a callback, a save, a compile)"}
+                OWN_WORK: "is busy outside a step"}
         states, short = [], []
-        for rank, (kind, waited, cap, peak) in sorted(self._waits().items()):
+        for rank, (kind, waited, _, cap, peak) in sorted(self._waits().items()):
             memory = f" (peak RSS {peak} MiB of a {cap} MiB cap)" if cap else ""
             states.append(f"rank {rank} on {self._hosts[rank]}{memory} {said[kind].format(waited)}")
             if cap and peak >= 0.8 * cap:
