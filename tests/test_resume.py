@@ -260,7 +260,7 @@ def test_a_slurm_job_signalled_ahead_of_its_time_limit_requeues_itself_and_resum
     log = (host.tmp / f"slurm-{job}.out").read_text(errors="replace")
     print(f"SLURM job {job}: {signalled_at - submitted:.1f} s to the signal, resumed in "
           f"{time.time() - signalled_at:.1f} s; " + " ".join(f for f in shown.split() if "Time=" in f))
-    assert f"Restarts={2 if relaunched else 1}" in shown and f"SLURM job {job} requeued" in log, shown + log[-3000:]
+    assert f"Restarts={2 if relaunched else 1}" in shown and f"requeueing SLURM job {job}" in log, shown + log[-3000:]
     assert 4 <= len(steps(out)) < 36
     assert_resumed_exactly(references("launch_2", "jax", "arrays"), out, len(steps(out)))
 

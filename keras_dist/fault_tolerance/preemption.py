@@ -181,6 +181,10 @@ def requeue_slurm_job(chosen: Settings) -> None:
     job = chosen.variables.get("SLURM_JOB_ID")
     if not job or not chosen.slurm_requeue:
         return
+    # Said before: a requeue cancels the running job at once, and SLURM's signals can end this
+    # process before `scontrol` returns (seen in CI: the job requeued, the line after it lost).
+    logger.warning("keras_dist: requeueing SLURM job %s: it resumes from the backup when it runs again", job)
+    sys.stderr.flush()
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -188,7 +192,6 @@ def requeue_slurm_job(chosen: Settings) -> None:
                        job, exc, job)
         return
     if done.returncode == 0:
-        logger.warning("keras_dist: SLURM job %s requeued: it resumes from the backup when it runs again", job)
         return
     said = (done.stderr or done.stdout).strip().splitlines()
     logger.warning("keras_dist: scontrol requeue %s failed (%s); submit the job with --requeue, or set %s=0 not to "

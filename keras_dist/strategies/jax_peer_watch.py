@@ -35,7 +35,7 @@ _FIX = ("a process short of memory can leave its step unfinished instead of fail
         f"or raise {timeouts.STEP_TIMEOUT_VARIABLE} if steps are that slow")
 
 
-def coordination_client():
+def coordination_client() -> Any:
     """The client of JAX's coordination service (its key-value store), once the process group started."""
     from jax._src import distributed
 
