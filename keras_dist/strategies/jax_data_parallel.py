@@ -235,7 +235,7 @@ class JaxDataParallelStrategy(Strategy):
 
         _start_process_group(self.environment, self.settings)
         self._jax = jax
-        self.collectives = JaxProcesses(jax, _peer_watch.in_collective if _peer_watch else contextlib.nullcontext)
+        self.collectives = JaxProcesses(jax, _in_collective)
         self.distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
         self._local_depth = 0
         self._gathers = 0  # `_whole_values` calls so far, which every process counts alike
@@ -428,6 +428,11 @@ def _place(variable, whole):
         tuple(variable.shape), sharding, [jax.device_put(whole[index], device) for device, index in parts.items()]))
 
 
+def _in_collective() -> contextlib.AbstractContextManager:
+    """Where a host collective runs: timed by the job's `PeerWatch`, where there is one."""
+    return _peer_watch.in_collective() if _peer_watch is not None else contextlib.nullcontext()
+
+
 def _whole_value(variable) -> np.ndarray:
     """A variable's whole value, gathered from every process where it is split over them
     (collective then: every process calls it for the same variables)."""
@@ -436,7 +441,7 @@ def _whole_value(variable) -> np.ndarray:
     value = keras_internals.variable_value(variable)
     if value.is_fully_addressable or value.is_fully_replicated:
         return np.asarray(value)
-    with _peer_watch.in_collective() if _peer_watch is not None else contextlib.nullcontext():
+    with _in_collective():
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
