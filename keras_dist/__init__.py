@@ -20,7 +20,7 @@ if not _startup.is_the_cli():
 
 __version__ = "0.1.0"
 __all__ = ["KerasDistError", "callbacks", "compile", "current", "distribute_dataset", "init", "local",
-           "notebook_launcher"]
+           "notebook_launcher", "split_weights"]
 
 # The public names, imported on first use (by scripts, `compile` at once): they import
 # Keras, which tools (`keras-dist launch`, `keras-dist info`) never need.
@@ -28,7 +28,8 @@ _LAZY = {"callbacks": ("keras_dist.callbacks", None), "compile": ("keras_dist.co
          "current": ("keras_dist.runtime", "current"), "init": ("keras_dist.runtime", "init"),
          "distribute_dataset": ("keras_dist.runtime", "distribute_dataset"),
          "local": ("keras_dist.compiled_elsewhere", "local"),
-         "notebook_launcher": ("keras_dist.notebook", "notebook_launcher")}
+         "notebook_launcher": ("keras_dist.notebook", "notebook_launcher"),
+         "split_weights": ("keras_dist.runtime", "split_weights")}
 
 
 def __getattr__(name: str):

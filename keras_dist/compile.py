@@ -4,7 +4,8 @@ from typing import Any, Literal
 
 import keras
 
-from keras_dist import compiled_elsewhere, keras_internals, optimizer_hooks, optimizer_sharding, overrides, runtime, training
+from keras_dist import (compiled_elsewhere, keras_internals, optimizer_hooks, optimizer_sharding, overrides, runtime,
+                        split_creation, training)
 from keras_dist.strategies.base import GradientOptions
 from keras_dist.errors import KerasDistError
 
@@ -40,7 +41,8 @@ def compile(
             and updates those; the result is the unsharded one's (ZeRO stage 1; PyTorch, JAX,
             and TensorFlow under Horovod). `"weights"` (JAX, PyTorch): the model's trainable
             weights are split over the processes too while fit runs, each gathered where
-            the step uses it (ZeRO stage 3, docs/sharding.md). Unset: `KERAS_DIST_SHARD`'s, if set.
+            the step uses it (ZeRO stage 3, docs/sharding.md). Unset: `KERAS_DIST_SHARD`'s, if set;
+            `"weights"` for a model built in `keras_dist.split_weights()`.
         **kwargs: passed to `model.compile`.
 
     `keras_dist.compile(model)` alone recompiles a compiled model (one `keras.models.load_model`
@@ -67,6 +69,11 @@ def compile(
         kwargs = _compiled_with(model)
     strategy = runtime.current()
     shard = shard if shard is not None else strategy.settings.shard
+    if strategy.size > 1 and split_creation.built_split(model):
+        if shard not in (None, "weights"):
+            raise KerasDistError(f"the model was built in keras_dist.split_weights(), so its weights stay split: "
+                                 f"compile it with shard='weights' (or none), not shard={shard!r}")
+        shard = "weights"
     if shard is not None:
         optimizer_sharding.check_level(shard, strategy)
     overrides.restore(model)  # compiled before: start again from Keras's own methods
@@ -84,6 +91,7 @@ def compile(
                 _scale_learning_rate(optimizer, strategy.num_replicas)
         strategy.distribute_optimizer(optimizer, options)
     training.attach(model, strategy, options)
+    strategy.after_compile(model)
 
 
 compiled_elsewhere.distribute_through(compile)

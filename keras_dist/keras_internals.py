@@ -264,6 +264,24 @@ def initialize_variable(variable: Any, value: Any, trainable: bool | None = None
         variable._trainable = keras_trainable
 
 
+def deferred_variables() -> list:
+    """The variables made inside a `keras.StatelessScope` and not yet given a value (the global `uninitialized_variables`, which the scope's exit initializes unless told not to), which keras_dist's `split_weights` initializes as slices; private global state."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("uninitialized_variables", [], set_to_default=True)
+
+
+def take_initializer(variable: Any) -> Any:
+    """The initializer a variable made in a stateless scope waits for (`_initializer`), dropped from it as Keras's `_deferred_initialize` drops it, for keras_dist's `split_weights`; private attribute."""
+    initializer, variable._initializer = variable._initializer, None
+    return initializer
+
+
+def initialize_deferred(variable: Any) -> None:
+    """Gives a variable made in a stateless scope its value from its initializer, as the scope's exit would (`_deferred_initialize`); private method."""
+    variable._deferred_initialize()
+
+
 def set_variable_aggregation(variable: Any, aggregation: str) -> None:
     """Sets how tf.distribute aggregates a Keras variable's updates (`_aggregation`, which its next tf.Variable is made with; the public `aggregation` is read-only); private attribute."""
     variable._aggregation = aggregation

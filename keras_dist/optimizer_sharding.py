@@ -58,7 +58,9 @@ class ShardedState:
 
     def __init__(self, gather: Callable[[], Iterator[np.ndarray]], chief: bool, level: str = "optimizer") -> None:
         self.level = level  # "weights": the model's weights are split too (JAX, during fit)
-        self.chief = chief  # only the chief's loads are shared (`share_loaded_state`): only it notes them
+        # Only the chief's loads are shared (`share_loaded_state`): only it notes them (and not
+        # for weights split for good, whose fit restores no backup: a load is every process's).
+        self.notes_loads = chief
         self.variables: list | None = None
         self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
         self.gather = gather
@@ -142,6 +144,13 @@ def gathering_saves(model: keras.Model, replicas: Any) -> None:
             if state is None or not optimizer.built:
                 return _save(*args, **kwargs)
             try:
+                by_layer = replicas.checkpoint_io.saves_by_layer(model)
+                if by_layer is not None:  # weights split for good: gathered a layer at a time as written
+                    if not replicas.is_chief:
+                        by_layer.follow_save()
+                        return _save(*args, **kwargs)
+                    with by_layer.leading_save():
+                        return _save(*args, **kwargs)
                 # In fit (a callback's save), the weights too, where they are split.
                 with replicas.checkpoint_io.whole_weights(model):
                     if not replicas.is_chief:
@@ -177,7 +186,7 @@ def save_whole(state: ShardedState, store: Any) -> None:
 
 
 def note_loaded(state: ShardedState, store: Any) -> None:
-    if state.chief:
+    if state.notes_loads:
         state.loaded = [np.asarray(store[str(position)]) for position in range(len(store.keys()))]
 
 

@@ -12,6 +12,7 @@ inputs as one rank of a job would without any collective.
 import abc
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from keras_dist.environments import ClusterEnvironment
     from keras_dist.settings import Settings
     from keras_dist.timeouts import StepTimeout
+
+
+logger = logging.getLogger("keras_dist")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +126,18 @@ class Replicas(abc.ABC):
         """Context in which `evaluate` and `predict` run: where the backend's steps are
         global computations, it makes them run on this process's shard alone."""
         return contextlib.nullcontext()
+
+    def creating_split_weights(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which the script builds its model under `keras_dist.split_weights`:
+        where the engine can, each trainable variable is made as this process's slice only."""
+        if self.size > 1:
+            logger.warning("keras_dist.split_weights: the %s backend builds each variable whole; "
+                           "shard='weights' splits the trainable ones at fit's start (docs/sharding.md)", self.name)
+        return contextlib.nullcontext()
+
+    def after_compile(self, model: "keras.Model") -> None:
+        """Called on every process once `keras_dist.compile` compiled `model` and distributed
+        its optimizer."""
 
     def after_initial_sync(self, model: "keras.Model") -> None:
         """Called on every process at fit's start once every process holds the chief's state

@@ -11,6 +11,7 @@ from those and never read the process environment. Tests
 build their own with `Runtime.from_environ(mapping)`.
 """
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -121,6 +122,23 @@ def current() -> "Strategy":
     """The active strategy, starting the default one if `init` was not called."""
     strategy = get().strategy
     return strategy if strategy is not None else init()
+
+
+def split_weights() -> contextlib.AbstractContextManager[None]:
+    """Context in which to build a model whose trainable weights are split over the job's
+    processes from their creation (PyTorch; elsewhere, and without a launcher, the model
+    is built as usual): no process ever holds it whole. `keras_dist.compile` then trains
+    it with `shard="weights"` (docs/sharding.md).
+
+    Example:
+
+    ```python
+    with keras_dist.split_weights():
+        model = keras.Sequential([keras.Input((4096,)), keras.layers.Dense(4096), ...])
+    keras_dist.compile(model, optimizer="adam", loss="mse")
+    ```
+    """
+    return current().creating_split_weights()
 
 
 def distribute_dataset(dataset: "tf.data.Dataset", training: bool = True) -> "tf.data.Dataset":

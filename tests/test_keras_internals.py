@@ -499,6 +499,41 @@ def test_variable_value():
             assert keras_internals.variable_value(keras.Variable(keras.initializers.Zeros(), shape=(2,))) is None
 
 
+def _deferred_pair():
+    """Two variables made in a stateless scope that leaves them uninitialized, taken off Keras's list."""
+    before = len(keras_internals.deferred_variables())
+    with keras.StatelessScope(initialize_variables=False):
+        kernel = keras.Variable(keras.initializers.Constant(2.0), shape=(2,))
+        bias = keras.Variable(keras.initializers.Zeros(), shape=(3,))
+    pending = keras_internals.deferred_variables()
+    made = pending[before:]
+    del pending[before:]
+    return made, kernel, bias
+
+
+def test_deferred_variables():
+    with canary("keras.src.backend.common.global_state 'uninitialized_variables'",
+                "keras_dist.split_weights finds the variables built inside it there"):
+        made, kernel, bias = _deferred_pair()
+        assert made == [kernel, bias] and keras_internals.variable_value(kernel) is None
+
+
+def test_take_initializer():
+    with canary("keras.src.backend.common.variables.Variable._initializer",
+                "keras_dist.split_weights makes each variable's value from it, then keeps a slice"):
+        _, kernel, _ = _deferred_pair()
+        initializer = keras_internals.take_initializer(kernel)
+        assert keras.ops.convert_to_numpy(initializer((2,), dtype="float32")).tolist() == [2.0, 2.0]
+
+
+def test_initialize_deferred():
+    with canary("keras.src.backend.common.variables.Variable._deferred_initialize",
+                "keras_dist.split_weights initializes the variables it does not split with it"):
+        _, _, bias = _deferred_pair()
+        keras_internals.initialize_deferred(bias)
+        assert keras.ops.convert_to_numpy(bias).tolist() == [0.0, 0.0, 0.0]
+
+
 def test_initialize_variable():
     with canary("keras.src.backend.common.variables.Variable._initialize and _trainable",
                 "keras_dist.strategies.tf_strategy.move_variables and keras_workarounds.layer_state_aggregated "

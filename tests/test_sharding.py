@@ -200,6 +200,74 @@ def test_split_weights_around_fits_as_unsharded(tmp_path):
             np.testing.assert_allclose(split, whole, atol=1e-6, err_msg=key)
 
 
+SPLIT_AT_CREATION = WORKERS / "split_at_creation.py"
+# Large freed buffers go back to the system at once: the cap counts what a process holds.
+FIXED_MALLOC = {"KERAS_BACKEND": "torch", "MALLOC_MMAP_THRESHOLD_": "262144"}
+# Compares .weights.h5 files pairwise in one plain process: the same datasets, equal to 1e-6.
+SAME_WEIGHTS_FILES = """
+import sys, h5py, numpy as np
+def datasets(path):
+    found = {}
+    with h5py.File(path) as f:
+        f.visititems(lambda name, obj: found.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return found
+for a, b in zip(sys.argv[1::2], sys.argv[2::2]):
+    x, y = datasets(a), datasets(b)
+    assert sorted(x) == sorted(y) and len(x) > 60, (a, sorted(x), sorted(y))
+    for name in x:
+        np.testing.assert_allclose(x[name], y[name], atol=1e-6, err_msg=name)
+print("same files")
+"""
+
+
+def test_a_model_built_split_under_a_cap_below_its_weights_trains_saves_and_loads_as_unsharded(tmp_path):
+    """Issue 65: 33.6M weights (128 MiB) under a cap of 110 MiB above the imports, 4 processes.
+    Built whole, the model cannot be made under the cap; built in keras_dist.split_weights(),
+    it trains, its file equals the one an uncapped unsharded job writes, and it loads back."""
+    pytest.importorskip("torch")
+    job = [BIN / "keras-dist", "launch", "-n", 4, SPLIT_AT_CREATION]
+    capped = ["--layers", 32, "--headroom-mib", 110]
+    for case, arguments in (("split", capped), ("whole_capped", [*capped, "--whole"]),
+                            ("whole", ["--layers", 32, "--whole"])):
+        (tmp_path / case).mkdir()
+        code, output = run([*job, tmp_path / case, *arguments], 300, FIXED_MALLOC)
+        if case == "whole_capped":
+            assert code != 0 and "Cannot allocate memory" in output, output[-3000:]
+        else:
+            assert code == 0 and output.count("trained 33597450") == 4, output[-3000:]
+    files = [tmp_path / "whole" / "model.weights.h5", tmp_path / "split" / "model.weights.h5",
+             tmp_path / "split" / "model.weights.h5", tmp_path / "split" / "again.weights.h5"]
+    code, output = run([PYTHON, "-c", SAME_WEIGHTS_FILES, *files], 120, {"KERAS_BACKEND": "torch"})
+    assert code == 0 and "same files" in output, output[-3000:]
+
+
+def test_a_model_built_split_saves_its_optimizer_state_as_unsharded(tmp_path):
+    """model.save of a model built split writes the unsharded job's archive: weights and
+    momentum gathered a layer (and a slot) at a time."""
+    pytest.importorskip("torch")
+    for case in ("split", "whole"):
+        (tmp_path / case).mkdir()
+        code, output = run([BIN / "keras-dist", "launch", "-n", 2, SPLIT_AT_CREATION, tmp_path / case, "--layers", 3,
+                            "--width", 64, "--momentum", 0.9, *(["--whole"] if case == "whole" else [])], 300,
+                           {"KERAS_BACKEND": "torch"})
+        assert code == 0 and "Traceback" not in output, output[-3000:]
+    code, output = run([PYTHON, "-c", LOAD_BOTH, tmp_path / "whole" / "model.keras", tmp_path / "split" / "model.keras"],
+                       120, {"KERAS_BACKEND": "torch"})
+    assert code == 0 and "same state" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("arguments, error", [
+    (["--shard", "optimizer"], "the model was built in keras_dist.split_weights(), so its weights stay split: compile"),
+    (["--checkpoint"], "a model built in keras_dist.split_weights() is saved a layer at a time by model.save"),
+])
+def test_what_a_model_built_split_cannot_do_is_one_line(tmp_path, arguments, error):
+    pytest.importorskip("torch")
+    code, output = run([BIN / "keras-dist", "launch", "-n", 2, SPLIT_AT_CREATION, tmp_path, "--layers", 2, "--width", 16,
+                        *arguments], 300, {"KERAS_BACKEND": "torch"})
+    assert code != 0 and f"KerasDistError: {error}" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
 # Loads two saved models in one plain process; both must hold the same weights and optimizer state.
 LOAD_BOTH = """
 import sys, keras, numpy as np

@@ -55,7 +55,8 @@ def sync_model_state(model: keras.Model, replicas: "Replicas") -> None:
     built = [o for o in optimizer_hooks.optimizers_of(model) if o.built]
     sharded = [o for o in built if optimizer_sharding.is_sharded(o)]
     optimizer_variables = [v for o in built if o not in sharded for v in o.variables]
-    variables = list(model.weights) + optimizer_variables
+    # Weights split for good (`keras_dist.split_weights`) have one copy in the job: their slices.
+    variables = replicas.checkpoint_io.replicated_weights(model.weights) + optimizer_variables
     check_same_variables(variables, replicas)
     digests = replicas.collectives.allgather_object((weights_digest(model.weights), weights_digest(optimizer_variables)))
     differing = [rank for rank, digest in enumerate(digests) if digest[0] != digests[0][0]]

@@ -43,16 +43,21 @@ class CheckpointIO:
             `saves_within` too.
         workers_save_in_scratch: every save is a collective (MultiWorkerMirrored): the
             other processes run a copy of each file callback against scratch directories.
+        saves_by_layer: for a model whose weights stay split (`keras_dist.split_weights`),
+            what gathers them a layer at a time in the script's saves (`leading_save` on the
+            chief, `follow_save` on the others); None for any other. Default: None.
     """
 
     def __init__(self, *, whole_weights: ModelContext = _no_context,
                  split_weight_ids: Callable[[], Collection[int]] = tuple, saves_within: ModelContext = _no_context,
-                 restores_within: bool = False, workers_save_in_scratch: bool = False) -> None:
+                 restores_within: bool = False, workers_save_in_scratch: bool = False,
+                 saves_by_layer: Callable[[keras.Model], Any] = lambda model: None) -> None:
         self.whole_weights = whole_weights
         self._split_weight_ids = split_weight_ids
         self._saves_within = saves_within
         self._restores_within = restores_within
         self._workers_save_in_scratch = workers_save_in_scratch
+        self.saves_by_layer = saves_by_layer
 
     def saving(self, model: keras.Model) -> contextlib.AbstractContextManager[Any]:
         """Context in which this process writes `model`: the chief's saves, and a save of the

@@ -32,6 +32,12 @@ from keras_dist.replicas import MetricStates
 from keras_dist.settings import Settings
 from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy, bucket_bytes, buckets
 
+# A model split for good is written a layer at a time by the script's own saves alone.
+NOT_SAVED_WHOLE = ("a model built in keras_dist.split_weights() is saved a layer at a time by model.save and "
+                   "model.save_weights called on every process; fit's checkpoints (ModelCheckpoint, BackupAndRestore, "
+                   "--backup-dir) and export would hold it whole in one process, which keras_dist does not do yet: "
+                   "save after fit, or build the model outside split_weights() (docs/sharding.md)")
+
 if TYPE_CHECKING:
     import keras
     import torch
@@ -112,11 +118,14 @@ class TorchDistributedStrategy(Strategy):
         # Under shard="weights", a checkpoint in fit gathers the split weights whole while it
         # saves (on the chief and in every other process's stand-in, at the same step).
         self.checkpoint_io = CheckpointIO(whole_weights=self._whole_weights, split_weight_ids=self._split_weight_ids,
-                                          saves_within=self._whole_weights)
+                                          saves_within=self._whole_for_a_save, saves_by_layer=self._split_for_good)
 
     # --- gradients --------------------------------------------------------------
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
-        self._split_weights.pop(id(getattr(model, "optimizer", None)), None)  # compiled again: its slices go
+        earlier = self._split_weights.pop(id(getattr(model, "optimizer", None)), None)  # compiled again: its slices go
+        if earlier is not None and earlier is self._splitting:  # split for good: the weights stay in their slices
+            earlier.join(gather=False)
+            self._splitting = None
         for overlapped in self._overlapped.values():
             overlapped.remove()
         self._overlapped.clear()
@@ -182,7 +191,22 @@ class TorchDistributedStrategy(Strategy):
 
         optimizer_hooks.reduce_gradients_before_update(optimizer, allreduce_gradients, all_finite)
 
-    # --- shard="weights": split while fit runs ---------------------------------------
+    # --- shard="weights": split while fit runs, or for good ---------------------------
+    def creating_split_weights(self) -> contextlib.AbstractContextManager[None]:
+        if self.size == 1:
+            return contextlib.nullcontext()
+        from keras_dist.strategies.torch_split_creation import built_split
+
+        return built_split(self.rank, self.size)
+
+    def after_compile(self, model: "keras.Model") -> None:
+        from keras_dist import split_creation
+
+        split = self._split_weights.get(id(model.optimizer))
+        if split is not None and split_creation.built_split(model):
+            split.split_for_good(model)
+            self._splitting = split
+
     def after_initial_sync(self, model: "keras.Model") -> None:
         split = self._split_weights.get(id(model.optimizer))
         if split is not None and self.size > 1 and self.fitting:  # not for an evaluate before any fit
@@ -192,7 +216,8 @@ class TorchDistributedStrategy(Strategy):
     def run_loop(self, method: str, model: "keras.Model", keras_method: Callable[..., Any], arguments: dict) -> Any:
         if method != "fit":
             return keras_method(**arguments)
-        if self._splitting is not None:  # a fit that failed left it split: every process is here now
+        if self._splitting is not None and not self._splitting.for_good:
+            # A fit that failed left it split: every process is here now.
             self._splitting.join()
             self._splitting = None
         ended = False
@@ -202,7 +227,7 @@ class TorchDistributedStrategy(Strategy):
             ended = True
             return result
         finally:
-            if self._splitting is not None and ended:
+            if self._splitting is not None and not self._splitting.for_good and ended:
                 # Whole again for evaluate, predict and the script; not after a failure, whose
                 # peers may be gone (a gather would wait for them): the next fit gathers it.
                 self._splitting.join()
@@ -210,6 +235,16 @@ class TorchDistributedStrategy(Strategy):
 
     def _whole_weights(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
         return self._splitting.whole() if self._splitting is not None else contextlib.nullcontext()
+
+    def _whole_for_a_save(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
+        split = self._splitting
+        if split is not None and split.for_good and not split.leading:
+            raise KerasDistError(NOT_SAVED_WHOLE)
+        return self._whole_weights(model)
+
+    def _split_for_good(self, model: "keras.Model") -> Any:
+        split = self._splitting
+        return split if split is not None and split.for_good and split.optimizer is model.optimizer else None
 
     def _split_weight_ids(self) -> Collection[int]:
         return self._splitting.slices if self._splitting is not None else ()

@@ -26,6 +26,12 @@ after each step). At fit's end (and around each checkpoint the chief writes in `
 every variable is gathered whole again, so `evaluate`, `predict`, saves and the script's
 own code see the unsharded model. The optimizer's state stays split; saves write it
 whole, in the unsharded optimizer's order (`optimizer_sharding.whole_layout`).
+
+A model built in `keras_dist.split_weights` (`torch_split_creation`) never is whole: it is
+split at its compile and stays split (`split_for_good`). The script's saves then gather
+one layer's variables at a time as Keras writes them, on the chief, each gather announced
+to the others (`leading_save`, `follow_save`); a load gives each layer's variables room
+for the whole values Keras reads and keeps this process's slices (`room_for_load`).
 """
 
 import contextlib
@@ -38,6 +44,8 @@ import numpy as np
 
 from keras_dist import keras_internals, optimizer_sharding
 from keras_dist.errors import KerasDistError
+from keras_dist.split_creation import SLICE
+from keras_dist.strategies.torch_split_creation import flat_slice
 from keras_dist.overrides import is_overridden, methods_while, override
 
 if TYPE_CHECKING:
@@ -81,6 +89,8 @@ class SplitWeights:
         self.unit_key: dict[int, int] = {}  # id(split variable) -> id(its layer)
         self.pending: dict[int, list] = {}  # id(layer) -> its (variable, gradient)s complete, not yet reduced
         self.active = False  # the variables are split (inside fit)
+        self.for_good = False  # split from their creation (`keras_dist.split_weights`): they stay split
+        self.leading = False  # the chief writes a save, announcing each gather to the others
         self._whole_depth = 0  # nested `whole` blocks: the outermost gathers and releases
         self._hooks: list = []
         self.state = optimizer_sharding.ShardedState(self._gather_whole_state, collectives.rank == 0, "weights")
@@ -107,8 +117,14 @@ class SplitWeights:
         self.variables = state.variables
         self.index = {id(v): i for i, v in enumerate(self.variables)}
         for variable in self.variables:
-            self.slices[id(variable)] = keras.Variable(self._my_slice_of(variable), dtype=variable.dtype,
+            created = vars(variable).get(SLICE)
+            part = self._my_slice_of(variable) if created is None else created.detach().clone()
+            self.slices[id(variable)] = keras.Variable(part, dtype=variable.dtype,
                                                        name=f"keras_dist_slice_of_{variable.path.replace('/', '_')}")
+            if created is not None:  # the slice is its one home now (a later compile's SplitWeights reads it)
+                setattr(variable, SLICE, _parameter(self.slices[id(variable)]))
+            if tuple(_parameter(variable).shape) != tuple(variable.shape):
+                self.released.add(id(variable))
         slices = [self.slices[id(v)] for v in self.variables]
         index = {id(s): i for i, s in enumerate(slices)}
         recording = optimizer_sharding.recording_slots(self.optimizer.add_variable_from_reference, index, state.slots)
@@ -154,6 +170,8 @@ class SplitWeights:
     def _gather_whole_state(self) -> Iterator[np.ndarray]:
         """The unsharded optimizer's state in its order, a variable at a time (collective)."""
         optimizer, state = self.optimizer, self.state
+        if self.leading:
+            self._announce(("state", []))
         mine = dict(zip(optimizer_sharding.layout_of(optimizer.variables, state.slots), optimizer.variables))
         for key in optimizer_sharding.whole_layout(optimizer, state):
             value = _parameter(mine[key])  # not `.value`: inside a layer's call Keras casts it to the compute dtype
@@ -192,9 +210,14 @@ class SplitWeights:
         for layer in {id(layer): layer for layer in owned.values()}.values():
             _gathering_call(layer, self._torch)
             object.__setattr__(layer, _SPLIT, self)
+        for layer in keras_internals.flatten_layers(model):
+            if any(id(v) in self.index for v in keras_internals.own_trainable_variables(layer)):
+                _saved_in_parts(layer)
+                object.__setattr__(layer, _SPLIT, self)
         with self._torch.no_grad():
             for variable in self.variables:
-                self.slices[id(variable)].assign(self._my_slice_of(variable))
+                if id(variable) not in self.released:  # whole now: its slice as it is (split at creation: kept)
+                    self.slices[id(variable)].assign(self._my_slice_of(variable))
         self._hooks = [_parameter(v).register_post_accumulate_grad_hook(self._gradient_ready(v))
                        for v in self.variables]
         for name in ("get_weights", "set_weights"):  # every process calls them alike (EarlyStopping)
@@ -202,6 +225,17 @@ class SplitWeights:
                 override(model, name, self._whole_while(getattr(model, name)))
         self.active = True
         self.release([v for v in self.variables if id(v) not in self.kept_whole])
+        self.gather([v for v in self.variables if id(v) in self.kept_whole])  # those split at creation
+
+    def split_for_good(self, model: keras.Model) -> None:
+        """Splits a model built in `keras_dist.split_weights` at its compile, for good: its
+        optimizer is built on the slices there, and `join` is never called for it but at
+        the next compile (collective)."""
+        self.for_good = True
+        self.state.notes_loads = False  # its fit restores no backup (NOT_SAVED_WHOLE): each process loads its own
+        if not self.optimizer.built:
+            self.optimizer.build(model.trainable_variables)
+        self.split(model)
 
     def join(self, gather: bool = True) -> None:
         """Gathers every variable whole again, for good (at fit's end); without `gather` (fit
@@ -222,7 +256,7 @@ class SplitWeights:
         """Every variable whole for the duration (evaluation, a checkpoint or the model's
         `get_weights` and `set_weights` in fit; collective); what was assigned meanwhile
         (`set_weights`: `EarlyStopping` restoring the best weights) reaches the slices."""
-        if not self.active or self._whole_depth:
+        if not self.active or self._whole_depth or self.leading:  # a save gathers a layer at a time
             yield
             return
         self.gather(self.variables)
@@ -242,6 +276,65 @@ class SplitWeights:
                 return method(*args, **kwargs)
 
         return whole_method
+
+    # --- saves and loads of a model split for good, a layer at a time -----------------------
+    @contextlib.contextmanager
+    def leading_save(self) -> Iterator[None]:
+        """The chief's save: each layer's split variables are gathered as Keras writes them,
+        each gather announced to the other processes (`follow_save`), then released."""
+        self.leading = True
+        try:
+            yield
+        finally:
+            self.leading = False
+            self._announce(None)
+
+    def follow_save(self) -> None:
+        """Another process's part in the chief's save: each gather it announces, until it ends."""
+        while (request := self.collectives.broadcast_object(None)) is not None:
+            kind, indices = request
+            if kind == "state":
+                for _ in self._gather_whole_state():
+                    pass
+            else:
+                self.release(self.gather([self.variables[i] for i in indices]))
+
+    def _announce(self, request: tuple | None) -> None:
+        self.collectives.broadcast_object(request)
+
+    @contextlib.contextmanager
+    def gathered_for_save(self, variables: list) -> Iterator[None]:
+        """`variables` (one layer's) whole while Keras writes them, in the chief's save."""
+        wanted = [v for v in variables if id(v) in self.released]
+        if not wanted:
+            yield
+            return
+        if not self.leading:
+            raise KerasDistError(f"{wanted[0].path} is split over the job's processes (keras_dist.split_weights): save "
+                                 "with model.save or model.save_weights, called on every process")
+        self._announce(("weights", [self.index[id(v)] for v in wanted]))
+        gathered = self.gather(wanted)
+        try:
+            yield
+        finally:
+            self.release(gathered)
+
+    @contextlib.contextmanager
+    def room_for_load(self, variables: list) -> Iterator[None]:
+        """Room for `variables` (one layer's) whole while Keras reads them from a file; each
+        then keeps its slice of what was read (no collective: every process reads the file)."""
+        torch = self._torch
+        wanted = [v for v in variables if id(v) in self.released]
+        for variable in wanted:
+            parameter = _parameter(variable)
+            parameter.data = torch.empty(tuple(variable.shape), dtype=parameter.dtype, device=parameter.device)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for variable in wanted:
+                    _parameter(self.slices[id(variable)]).copy_(self._my_slice_of(variable))
+            self.release(wanted)
 
     def unit_of(self, layer: Any) -> list[keras.Variable]:
         return self.units.get(id(layer), []) if self.active else []
@@ -276,12 +369,7 @@ class SplitWeights:
 
     def _my_slice_of(self, variable: keras.Variable) -> "torch.Tensor":
         """This process's slice of the whole `variable` (flat, padded with zeros)."""
-        torch = self._torch
-        length = _slice_length(variable, self.size)
-        flat = torch.zeros((length * self.size,), dtype=_parameter(variable).dtype, device=_parameter(variable).device)
-        with torch.no_grad():
-            flat[:int(np.prod(variable.shape))] = _parameter(variable).detach().reshape(-1)
-        return flat[self.rank * length:(self.rank + 1) * length].clone()
+        return flat_slice(self._torch, _parameter(variable).detach(), self.rank, self.size)
 
     def _all_gathered(self, part: "torch.Tensor", name: str) -> "torch.Tensor":
         device = self.collectives.device
@@ -392,6 +480,32 @@ def _reading_layers(model: keras.Model) -> dict[int, Any]:
 
     visit(model, None)
     return reading
+
+
+def _saved_in_parts(layer: Any) -> None:
+    """Makes `layer`'s saves gather its split variables a layer at a time (the chief's
+    save), and its loads keep this process's slice of each (once per layer object: it
+    reads the layer's current `SplitWeights`)."""
+    if is_overridden(layer, "save_own_variables"):
+        return
+    keras_save, keras_load = layer.save_own_variables, layer.load_own_variables
+
+    def save_own_variables(store: Any) -> None:
+        split = vars(layer).get(_SPLIT)
+        if split is None:
+            return keras_save(store)
+        with split.gathered_for_save(keras_internals.own_trainable_variables(layer)):
+            return keras_save(store)
+
+    def load_own_variables(store: Any) -> None:
+        split = vars(layer).get(_SPLIT)
+        if split is None:
+            return keras_load(store)
+        with split.room_for_load(keras_internals.own_trainable_variables(layer)):
+            return keras_load(store)
+
+    override(layer, "save_own_variables", save_own_variables)
+    override(layer, "load_own_variables", load_own_variables)
 
 
 def _gathering_call(layer: Any, torch: Any) -> None:

@@ -1,0 +1,30 @@
+"""The mark of a model built in `keras_dist.split_weights()` (`runtime.split_weights`): its
+trainable weights split over the job's processes from the start, so that no process ever
+holds the whole model (PyTorch).
+
+`keras_dist.compile(..., shard="weights")` splits a model built whole at fit's start;
+that cannot help a model whose weights one process cannot hold. Built inside
+`split_weights()`, each trainable variable is made from its initializer one at a time,
+cut into N flat slices, and only this process's slice is kept (the whole value lives for
+that one variable's length: the peak is the largest variable, not the model). The
+slices are the values the unsharded model gets from the same seed (the job's processes
+share one, `keras_dist.startup`). Keras makes every variable inside the block without a
+value (a `keras.StatelessScope`), as it does for a model it traces, so the model must be
+built inside it (`keras.Input`, or `model.build(shape)`).
+
+Such a model stays split for good (`keras_dist.strategies.torch_split_weights`): fit
+gathers each layer's weights where it runs; `model.save` and `save_weights`, called on
+every process, gather one layer at a time as Keras writes it; `load_weights` and
+`load_model` take each process's slice of each variable as Keras reads it.
+"""
+
+from typing import Any
+
+# On a variable made inside `split_weights`: this process's flat slice of it, which stays
+# its value's one home (its own data is released).
+SLICE = "_keras_dist_created_slice"
+
+
+def built_split(model: Any) -> bool:
+    """Whether `model` was built inside `split_weights` (some trainable variable is a slice)."""
+    return any(SLICE in vars(variable) for variable in getattr(model, "trainable_variables", ()))
