@@ -3,6 +3,9 @@
     .venv/bin/python bench/sharding_memory.py [--backend torch|jax|tensorflow] [--processes 2] [--width 4096] [--rounds 2]
     .venv/bin/python bench/sharding_memory.py --backend jax --cap-mib 2200
 
+`--settings split,weights` picks settings; `split` builds the model inside
+`keras_dist.split_weights()` (PyTorch).
+
 Each round runs, alternated, `keras-dist launch -n N` on Keras's PyTorch (or JAX, or TensorFlow under Horovod) backend
 of an MLP (3 Dense layers of --width units and one of 10: about 50M weights at 4096) trained 6 steps
 with Adam, once unsharded and once per level of sharding the backend has ("optimizer";
@@ -18,6 +21,7 @@ widest per setting and its weights.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -40,10 +44,13 @@ def worker(out: str, width: int, shard: str | None, cap_mib: int | None) -> None
 
     context = keras_dist.init()
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((width,)), *[keras.layers.Dense(width, activation="relu") for _ in range(3)],
-                              keras.layers.Dense(10)])
+    building = keras_dist.split_weights() if shard == "split" else contextlib.nullcontext()
+    with building:
+        model = keras.Sequential([keras.Input((width,)),
+                                  *[keras.layers.Dense(width, activation="relu") for _ in range(3)],
+                                  keras.layers.Dense(10)])
     keras_dist.compile(model, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                       **({"shard": shard} if shard else {}))
+                       **({"shard": shard} if shard in ("optimizer", "weights") else {}))
     x = np.random.default_rng(0).normal(size=(6 * 16 * context.size, width)).astype("float32")
     y = np.zeros(len(x), "int32")
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -101,11 +108,17 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cap-mib", type=int)
+    parser.add_argument("--settings", help="comma-separated, of: unsharded, optimizer, weights, split (PyTorch: the "
+                                           "model built in keras_dist.split_weights()); default: all the backend has "
+                                           "but split")
     parser.add_argument("--shard", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.width, args.shard, args.cap_mib)
     settings = {"unsharded": None, "optimizer": "optimizer", **({"weights": "weights"} if args.backend in ("jax", "torch") else {})}
+    if args.settings:
+        chosen = args.settings.split(",")
+        settings = {name: None if name == "unsharded" else name for name in chosen}
     if args.cap_mib:
         widest = {name: widest_under_cap(args.backend, args.processes, shard, args.cap_mib)
                   for name, shard in settings.items()}
@@ -126,7 +139,7 @@ def main() -> None:
     keys = ("optimizer_bytes", "peak_rss_bytes")
     medians = {name: {key: statistics.median(r[key] for r in reports) for key in keys} for name, reports in found.items()}
     ratios = {name: {key: medians[name][key] / medians["unsharded"][key] for key in keys}
-              for name in settings if name != "unsharded"}
+              for name in settings if name != "unsharded" and "unsharded" in medians}
     for name, ratio in ratios.items():
         print(f"{name} / unsharded, medians over processes and rounds: optimizer state "
               f"{ratio['optimizer_bytes']:.3f}, peak RSS {ratio['peak_rss_bytes']:.3f}")

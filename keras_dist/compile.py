@@ -65,15 +65,18 @@ def compile(
         raise KerasDistError(f"gradient_reduction must be 'mean' or 'sum', got {gradient_reduction!r}")
     if gradient_compression not in (None, "fp16", "bf16"):
         raise KerasDistError(f"gradient_compression must be None, 'fp16' or 'bf16', got {gradient_compression!r}")
-    if not args and not kwargs and model.compiled:
-        kwargs = _compiled_with(model)
     strategy = runtime.current()
     shard = shard if shard is not None else strategy.settings.shard
     if strategy.size > 1 and split_creation.built_split(model):
+        if not args and not kwargs and model.compiled:
+            raise KerasDistError("a model built in keras_dist.split_weights() is compiled again with its arguments "
+                                 "(its optimizer's state is split): keras_dist.compile(model, optimizer=..., loss=...)")
         if shard not in (None, "weights"):
             raise KerasDistError(f"the model was built in keras_dist.split_weights(), so its weights stay split: "
                                  f"compile it with shard='weights' (or none), not shard={shard!r}")
         shard = "weights"
+    if not args and not kwargs and model.compiled:
+        kwargs = _compiled_with(model)
     if shard is not None:
         optimizer_sharding.check_level(shard, strategy)
     overrides.restore(model)  # compiled before: start again from Keras's own methods

@@ -37,6 +37,7 @@ splits the model's trainable weights the same way while fit runs; on PyTorch,
 in flat slices.
 """
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -146,8 +147,9 @@ def gathering_saves(model: keras.Model, replicas: Any) -> None:
             try:
                 by_layer = replicas.checkpoint_io.saves_by_layer(model)
                 if by_layer is not None:  # weights split for good: gathered a layer at a time as written
+                    _check_saved_by_layer(method, args[0] if args else kwargs.get("filepath"))
                     if not replicas.is_chief:
-                        by_layer.follow_save()
+                        by_layer.follow()
                         return _save(*args, **kwargs)
                     with by_layer.leading_save():
                         return _save(*args, **kwargs)
@@ -164,6 +166,19 @@ def gathering_saves(model: keras.Model, replicas: Any) -> None:
                                      "alone") from None
 
         override(model, name, gathered)
+
+
+def _check_saved_by_layer(method: str, filepath: Any) -> None:
+    """One line where a save of a model split for good cannot gather it a layer at a time:
+    into a file object (every process would write its own), or in Keras's legacy HDF5
+    format (which reads each variable whole)."""
+    if not isinstance(filepath, (str, os.PathLike)):
+        raise KerasDistError(f"model.{method} of a model built in keras_dist.split_weights() writes to a path, from the "
+                             "chief, not to a file object")
+    if method == "save" and os.fspath(filepath).endswith((".h5", ".hdf5")):
+        raise KerasDistError(f"model.save({os.fspath(filepath)!r}) would write the legacy HDF5 format, which reads a "
+                             "model built in keras_dist.split_weights() whole: save to .keras, or save_weights to "
+                             ".weights.h5")
 
 
 def share_loaded_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> None:

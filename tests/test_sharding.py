@@ -75,7 +75,8 @@ def test_two_processes_with_sharded_adam_train_as_one_at_the_global_batch_with_h
         assert code == 0 and "same state" in output, output[-3000:]
 
 
-@pytest.mark.parametrize("keras_backend, level", rotated(LEVELS, ("torch", "weights"), MATRIX))
+@pytest.mark.parametrize("keras_backend, level", [*rotated(LEVELS, ("torch", "weights"), MATRIX),
+                                                  ("torch", "weights-at-creation")])
 def test_a_sharded_job_killed_mid_epoch_ends_as_the_unsharded_job_uninterrupted(tmp_path, keras_backend, level):
     """`BackupAndRestore` every 5 steps and a `ModelCheckpoint` of the best epoch, loaded on every
     rank after fit: the chief writes the whole state, the other rank's stand-in gathers its
@@ -185,19 +186,22 @@ def test_gradient_accumulation_and_bfloat16_train_sharded_as_unsharded(tmp_path,
 
 
 def test_split_weights_around_fits_as_unsharded(tmp_path):
-    """shard="weights" splits only inside fit: evaluate before any fit (shards of unequal
-    length), a callback's model.save on every process in fit, freeze and compile again."""
+    """shard="weights" splits only inside fit, and a model built in keras_dist.split_weights()
+    for good: evaluate before any fit (shards of unequal length), a callback's model.save on
+    every process in fit, a best-only checkpoint across fits, freeze and compile again."""
     found = {}
-    for shard in ("none", "weights"):
+    for shard in ("none", "weights", "created"):
         code, output = run([BIN / "keras-dist", "launch", "-n", 2, WORKERS / "split_weights_lifecycle.py",
                             tmp_path / f"{shard}.json", shard], 300, {"KERAS_BACKEND": "torch"})
         assert code == 0 and "Traceback" not in output, output[-3000:]
         found[shard] = json.loads((tmp_path / f"{shard}.json").read_text())
-    assert found["weights"]["evaluate"] == found["none"]["evaluate"]
-    np.testing.assert_allclose(found["weights"]["loss"], found["none"]["loss"], rtol=1e-6)
-    for key in ("saved_in_fit", "weights"):
-        for split, whole in zip(found["weights"][key], found["none"][key]):
-            np.testing.assert_allclose(split, whole, atol=1e-6, err_msg=key)
+    for shard in ("weights", "created"):
+        np.testing.assert_allclose(found[shard]["evaluate"], found["none"]["evaluate"], rtol=1e-6, err_msg=shard)
+        np.testing.assert_allclose(found[shard]["loss"], found["none"]["loss"], rtol=1e-6, err_msg=shard)
+        for key in ("saved_in_fit", "best", "weights"):
+            assert len(found[shard][key]) == len(found["none"][key]) == 6, (shard, key)
+            for split, whole in zip(found[shard][key], found["none"][key]):
+                np.testing.assert_allclose(split, whole, atol=1e-6, err_msg=f"{shard} {key}")
 
 
 SPLIT_AT_CREATION = WORKERS / "split_at_creation.py"
@@ -223,11 +227,12 @@ print("same files")
 def test_a_model_built_split_under_a_cap_below_its_weights_trains_saves_and_loads_as_unsharded(tmp_path):
     """Issue 65: 33.6M weights (128 MiB) under a cap of 110 MiB above the imports, 4 processes.
     Built whole, the model cannot be made under the cap; built in keras_dist.split_weights(),
-    it trains, its file equals the one an uncapped unsharded job writes, and it loads back."""
+    it trains (a ModelCheckpoint in fit), its file equals the one an uncapped unsharded job
+    writes, and it loads back."""
     pytest.importorskip("torch")
     job = [BIN / "keras-dist", "launch", "-n", 4, SPLIT_AT_CREATION]
     capped = ["--layers", 32, "--headroom-mib", 110]
-    for case, arguments in (("split", capped), ("whole_capped", [*capped, "--whole"]),
+    for case, arguments in (("split", [*capped, "--checkpoint"]), ("whole_capped", [*capped, "--whole"]),
                             ("whole", ["--layers", 32, "--whole"])):
         (tmp_path / case).mkdir()
         code, output = run([*job, tmp_path / case, *arguments], 300, FIXED_MALLOC)
@@ -236,7 +241,8 @@ def test_a_model_built_split_under_a_cap_below_its_weights_trains_saves_and_load
         else:
             assert code == 0 and output.count("trained 33597450") == 4, output[-3000:]
     files = [tmp_path / "whole" / "model.weights.h5", tmp_path / "split" / "model.weights.h5",
-             tmp_path / "split" / "model.weights.h5", tmp_path / "split" / "again.weights.h5"]
+             tmp_path / "split" / "model.weights.h5", tmp_path / "split" / "again.weights.h5",
+             tmp_path / "split" / "model.weights.h5", tmp_path / "split" / "checkpoint.weights.h5"]
     code, output = run([PYTHON, "-c", SAME_WEIGHTS_FILES, *files], 120, {"KERAS_BACKEND": "torch"})
     assert code == 0 and "same files" in output, output[-3000:]
 
@@ -256,15 +262,12 @@ def test_a_model_built_split_saves_its_optimizer_state_as_unsharded(tmp_path):
     assert code == 0 and "same state" in output, output[-3000:]
 
 
-@pytest.mark.parametrize("arguments, error", [
-    (["--shard", "optimizer"], "the model was built in keras_dist.split_weights(), so its weights stay split: compile"),
-    (["--checkpoint"], "a model built in keras_dist.split_weights() is saved a layer at a time by model.save"),
-])
-def test_what_a_model_built_split_cannot_do_is_one_line(tmp_path, arguments, error):
+def test_a_model_built_split_compiled_with_another_level_is_one_line(tmp_path):
     pytest.importorskip("torch")
     code, output = run([BIN / "keras-dist", "launch", "-n", 2, SPLIT_AT_CREATION, tmp_path, "--layers", 2, "--width", 16,
-                        *arguments], 300, {"KERAS_BACKEND": "torch"})
-    assert code != 0 and f"KerasDistError: {error}" in output, output[-3000:]
+                        "--shard", "optimizer"], 300, {"KERAS_BACKEND": "torch"})
+    assert code != 0 and "KerasDistError: the model was built in keras_dist.split_weights(), so its weights stay " \
+        "split: compile it with shard='weights'" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
 
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import keras
 import numpy as np
 
-from keras_dist import keras_internals
+from keras_dist import keras_internals, split_creation
 from keras_dist.errors import KerasDistError
 from keras_dist.fault_tolerance.background_writes import BackgroundWrite, WeightsSnapshot
 from keras_dist.overrides import is_overridden, methods_while, override
@@ -126,8 +126,14 @@ def _atomic_backup(callback):
         with _failed_writes_end_in_one_line(finals[0], partials, BACKUP_OPTION):
             try:
                 model = callback.model
-                with methods_while(model, {"save_weights": lambda *args, **kwargs: snapshot.take(model)}):
-                    keras_save()  # writes the metadata to its partial name
+                if split_creation.built_split(model):  # no host copy of a model no process may hold whole:
+                    with keras_own_saves(model):  # written now, a layer at a time, to its partial name
+                        keras_save()
+                    write_weights = _written_already
+                else:
+                    with methods_while(model, {"save_weights": lambda *args, **kwargs: snapshot.take(model)}):
+                        keras_save()  # writes the metadata to its partial name
+                    write_weights = snapshot.write
             finally:
                 keras_internals.set_backup_files(callback, *finals)
             add_metadata = getattr(callback, "_keras_dist_metadata", None)  # `resume.ResumePoint`: the position
@@ -139,7 +145,7 @@ def _atomic_backup(callback):
         # Keras >= 3.9 copies the latest state to its `.bkp` names first (here in the
         # commit, where the latest state is complete on disk).
         previous = keras_internals.previous_backup_files(callback)
-        writes.start(lambda: _commit(snapshot, partials, finals, previous))
+        writes.start(lambda: _commit(write_weights, partials, finals, previous))
 
     def on_train_begin(logs=None):
         writes.wait()
@@ -166,7 +172,11 @@ def _atomic_backup(callback):
     override(callback, "on_train_end", on_train_end)
 
 
-def _commit(snapshot, partials, finals, previous):
+def _written_already(path: str) -> None:
+    """The weights' write of a backup written at its step (`_atomic_backup`)."""
+
+
+def _commit(write_weights, partials, finals, previous):
     """Writes the weights from host memory and commits the backup (in the writing thread)."""
     (partial_weights, partial_metadata), (weights, metadata) = partials, finals
     # Everything up to the staged metadata can fail (a full disk) and leave the committed backup as it was.
@@ -177,7 +187,7 @@ def _commit(snapshot, partials, finals, previous):
                 if os.path.exists(final):
                     shutil.copyfile(final, _partial(backup))
                     publish(_partial(backup), backup)
-            snapshot.write(partial_weights)
+            write_weights(partial_weights)
             # Weights and metadata are one state, committed in three renames: the metadata is
             # staged, the weights replaced, then the staged metadata put in place. A crash
             # between the last two leaves new weights beside old metadata, which would train an

@@ -40,24 +40,30 @@ class CheckpointIO:
         saves_within: context in which a process writes the model (JAX: on this process's
             devices alone; split weights: gathered whole). Default: none.
         restores_within: `BackupAndRestore`'s restore at fit's start runs in
-            `saves_within` too.
+            `saves_within` (or `checkpoints_within`) too.
+        checkpoints_within: context in which the chief's checkpoints of fit, and every
+            other process's stand-ins, write the model, where it differs from the script's
+            own saves' (weights split for good: every process walks the save at once).
+            Default: `saves_within`.
         workers_save_in_scratch: every save is a collective (MultiWorkerMirrored): the
             other processes run a copy of each file callback against scratch directories.
         saves_by_layer: for a model whose weights stay split (`keras_dist.split_weights`),
             what gathers them a layer at a time in the script's saves (`leading_save` on the
-            chief, `follow_save` on the others); None for any other. Default: None.
+            chief, `follow` on the others); None for any other. Default: None.
     """
 
     def __init__(self, *, whole_weights: ModelContext = _no_context,
                  split_weight_ids: Callable[[], Collection[int]] = tuple, saves_within: ModelContext = _no_context,
                  restores_within: bool = False, workers_save_in_scratch: bool = False,
-                 saves_by_layer: Callable[[keras.Model], Any] = lambda model: None) -> None:
+                 saves_by_layer: Callable[[keras.Model], Any] = lambda model: None,
+                 checkpoints_within: ModelContext | None = None) -> None:
         self.whole_weights = whole_weights
         self._split_weight_ids = split_weight_ids
         self._saves_within = saves_within
         self._restores_within = restores_within
         self._workers_save_in_scratch = workers_save_in_scratch
         self.saves_by_layer = saves_by_layer
+        self._checkpoints_within = checkpoints_within or saves_within
 
     def saving(self, model: keras.Model) -> contextlib.AbstractContextManager[Any]:
         """Context in which this process writes `model`: the chief's saves, and a save of the
@@ -81,7 +87,7 @@ class CheckpointIO:
             hooks["on_train_begin"] = callback.on_train_begin
         for name, hook in hooks.items():
             def within(*args: Any, _hook: Callable[..., Any] = hook, **kwargs: Any) -> Any:
-                with self.saving(callback.model):
+                with self._checkpoints_within(callback.model):
                     return _hook(*args, **kwargs)
 
             override(callback, name, within)

@@ -32,11 +32,12 @@ from keras_dist.replicas import MetricStates
 from keras_dist.settings import Settings
 from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy, bucket_bytes, buckets
 
-# A model split for good is written a layer at a time by the script's own saves alone.
+# A model split for good is written a layer at a time, by the script's saves on every
+# process and by fit's checkpoints; a save of one process alone would hold it whole.
 NOT_SAVED_WHOLE = ("a model built in keras_dist.split_weights() is saved a layer at a time by model.save and "
-                   "model.save_weights called on every process; fit's checkpoints (ModelCheckpoint, BackupAndRestore, "
-                   "--backup-dir) and export would hold it whole in one process, which keras_dist does not do yet: "
-                   "save after fit, or build the model outside split_weights() (docs/sharding.md)")
+                   "model.save_weights called on every process, and by fit's checkpoints; model.export (or a save "
+                   "on one process) would hold it whole in one process, which keras_dist does not do yet: save the "
+                   "weights, or build the model outside split_weights() (docs/sharding.md)")
 
 if TYPE_CHECKING:
     import keras
@@ -118,14 +119,14 @@ class TorchDistributedStrategy(Strategy):
         # Under shard="weights", a checkpoint in fit gathers the split weights whole while it
         # saves (on the chief and in every other process's stand-in, at the same step).
         self.checkpoint_io = CheckpointIO(whole_weights=self._whole_weights, split_weight_ids=self._split_weight_ids,
-                                          saves_within=self._whole_for_a_save, saves_by_layer=self._split_for_good)
+                                          saves_within=self._whole_for_a_save, saves_by_layer=self._split_for_good,
+                                          checkpoints_within=self._whole_for_a_checkpoint, restores_within=True)
 
     # --- gradients --------------------------------------------------------------
     def prepare_model(self, model: "keras.Model") -> "keras.Model":
         earlier = self._split_weights.pop(id(getattr(model, "optimizer", None)), None)  # compiled again: its slices go
-        if earlier is not None and earlier is self._splitting:  # split for good: the weights stay in their slices
+        if earlier is not None and earlier.for_good:  # the weights stay in their slices, the next SplitWeights' own
             earlier.join(gather=False)
-            self._splitting = None
         for overlapped in self._overlapped.values():
             overlapped.remove()
         self._overlapped.clear()
@@ -205,18 +206,20 @@ class TorchDistributedStrategy(Strategy):
         split = self._split_weights.get(id(model.optimizer))
         if split is not None and split_creation.built_split(model):
             split.split_for_good(model)
-            self._splitting = split
 
     def after_initial_sync(self, model: "keras.Model") -> None:
         split = self._split_weights.get(id(model.optimizer))
-        if split is not None and self.size > 1 and self.fitting:  # not for an evaluate before any fit
+        # Not for an evaluate before any fit, nor for a model split for good (split already).
+        if split is not None and not split.for_good and self.size > 1 and self.fitting:
             split.split(model)
             self._splitting = split
 
     def run_loop(self, method: str, model: "keras.Model", keras_method: Callable[..., Any], arguments: dict) -> Any:
         if method != "fit":
             return keras_method(**arguments)
-        if self._splitting is not None and not self._splitting.for_good:
+        if self._split_weights.get(id(model.optimizer)) is not None:
+            _check_checkpoints_of_split(arguments.get("callbacks"))
+        if self._splitting is not None:
             # A fit that failed left it split: every process is here now.
             self._splitting.join()
             self._splitting = None
@@ -227,27 +230,40 @@ class TorchDistributedStrategy(Strategy):
             ended = True
             return result
         finally:
-            if self._splitting is not None and not self._splitting.for_good and ended:
+            if self._splitting is not None and ended:
                 # Whole again for evaluate, predict and the script; not after a failure, whose
                 # peers may be gone (a gather would wait for them): the next fit gathers it.
                 self._splitting.join()
                 self._splitting = None
 
+    def _split_of(self, model: "keras.Model") -> Any:
+        """The model's `SplitWeights` where its weights are split now (in fit, or for good)."""
+        split = self._split_weights.get(id(getattr(model, "optimizer", None)))
+        return split if split is not None and split.active else None
+
     def _whole_weights(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
-        return self._splitting.whole() if self._splitting is not None else contextlib.nullcontext()
+        split = self._split_of(model)
+        return split.whole() if split is not None else contextlib.nullcontext()
 
     def _whole_for_a_save(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
-        split = self._splitting
-        if split is not None and split.for_good and not split.leading:
+        split = self._split_for_good(model)
+        if split is not None and not split.leading:
             raise KerasDistError(NOT_SAVED_WHOLE)
         return self._whole_weights(model)
 
+    def _whole_for_a_checkpoint(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
+        # The chief leads a checkpoint's gathers, a layer at a time, and every other process's
+        # stand-in follows: a stand-in starts each fit afresh, and its own decision to save
+        # (save_best_only after a resume, or in a second fit) may differ from the chief's.
+        split = self._split_of(model)
+        return split.checkpoint_together() if split is not None else contextlib.nullcontext()
+
     def _split_for_good(self, model: "keras.Model") -> Any:
-        split = self._splitting
-        return split if split is not None and split.for_good and split.optimizer is model.optimizer else None
+        split = self._split_of(model)
+        return split if split is not None and split.for_good else None
 
     def _split_weight_ids(self) -> Collection[int]:
-        return self._splitting.slices if self._splitting is not None else ()
+        return {key for split in self._split_weights.values() if split.active for key in split.slices}
 
     def process_local_steps(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
         # Each process evaluates its own shard, in as many steps as it has: no per-layer gathers.
@@ -426,3 +442,18 @@ class OverlappedGradients:
         self._wait_all()
         for hook in self.hooks:
             hook.remove()
+
+
+def _check_checkpoints_of_split(callbacks: Any) -> None:
+    """One line for a checkpoint in Keras's legacy HDF5 format of a model whose weights are
+    split (`shard="weights"`), which reads each variable whole on the chief (not a layer
+    at a time, as `.keras` and `.weights.h5` are)."""
+    import keras
+
+    for callback in callbacks or ():
+        path = str(getattr(callback, "filepath", ""))
+        if isinstance(callback, keras.callbacks.ModelCheckpoint) and not callback.save_weights_only and \
+                path.endswith((".h5", ".hdf5")):
+            raise KerasDistError(f"ModelCheckpoint({path!r}) would write the legacy HDF5 format, which reads each "
+                                 "weight whole where shard='weights' splits them: name it .keras, or pass "
+                                 "save_weights_only=True with .weights.h5")

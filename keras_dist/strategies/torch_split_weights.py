@@ -30,8 +30,12 @@ whole, in the unsharded optimizer's order (`optimizer_sharding.whole_layout`).
 A model built in `keras_dist.split_weights` (`torch_split_creation`) never is whole: it is
 split at its compile and stays split (`split_for_good`). The script's saves then gather
 one layer's variables at a time as Keras writes them, on the chief, each gather announced
-to the others (`leading_save`, `follow_save`); a load gives each layer's variables room
-for the whole values Keras reads and keeps this process's slices (`room_for_load`).
+to the others (`leading_save`, `follow`); fit's checkpoints likewise, the chief leading
+and every other process's stand-in following (`checkpoint_together`), written at their
+step (no host copy of the whole state). Outside fit every call of the model gathers its
+layers' weights (a collective: every process calls it). A load gives each layer's variables room
+for the whole values Keras reads and keeps this process's slices (`room_for_load`); a
+backup's restore, the chief's alone, hands each value it reads to the others.
 """
 
 import contextlib
@@ -91,6 +95,8 @@ class SplitWeights:
         self.active = False  # the variables are split (inside fit)
         self.for_good = False  # split from their creation (`keras_dist.split_weights`): they stay split
         self.leading = False  # the chief writes a save, announcing each gather to the others
+        self.together = False  # a checkpoint of fit (or its restore): the chief leads, stand-ins follow
+        self.standing_in = False  # this process's stand-in walks the chief's checkpoint: it gathers nothing
         self._whole_depth = 0  # nested `whole` blocks: the outermost gathers and releases
         self._hooks: list = []
         self.state = optimizer_sharding.ShardedState(self._gather_whole_state, collectives.rank == 0, "weights")
@@ -121,7 +127,7 @@ class SplitWeights:
             part = self._my_slice_of(variable) if created is None else created.detach().clone()
             self.slices[id(variable)] = keras.Variable(part, dtype=variable.dtype,
                                                        name=f"keras_dist_slice_of_{variable.path.replace('/', '_')}")
-            if created is not None:  # the slice is its one home now (a later compile's SplitWeights reads it)
+            if created is not None or self.for_good:  # its one home now (a later compile's SplitWeights reads it)
                 setattr(variable, SLICE, _parameter(self.slices[id(variable)]))
             if tuple(_parameter(variable).shape) != tuple(variable.shape):
                 self.released.add(id(variable))
@@ -158,7 +164,11 @@ class SplitWeights:
 
     def _my_share_of_loaded(self, mine: keras.Variable, key: tuple, whole: np.ndarray) -> np.ndarray:
         """What this process's optimizer variable `mine` takes of a whole one read from a file:
-        its slice of a slot, all of the rest (the iteration count)."""
+        its slice of a slot, all of the rest (the iteration count). In a backup's restore of a
+        model split for good, the chief hands each value it read to the others."""
+        if self.together and self.rank == 0:
+            self._announce(("loaded state", key))
+            self.collectives.broadcast_object(whole)
         return self._my_share_of_array(whole, int(np.prod(mine.shape))) if key[0] == "slot" else whole
 
     def _my_share_of_array(self, whole: np.ndarray, length: int) -> np.ndarray:
@@ -168,19 +178,27 @@ class SplitWeights:
         return flat[self.rank * length:(self.rank + 1) * length]
 
     def _gather_whole_state(self) -> Iterator[np.ndarray]:
-        """The unsharded optimizer's state in its order, a variable at a time (collective)."""
+        """The unsharded optimizer's state in its order, a variable at a time (collective; in a
+        save the chief leads, each variable's gather announced; a stand-in gathers nothing)."""
         optimizer, state = self.optimizer, self.state
-        if self.leading:
-            self._announce(("state", []))
-        mine = dict(zip(optimizer_sharding.layout_of(optimizer.variables, state.slots), optimizer.variables))
         for key in optimizer_sharding.whole_layout(optimizer, state):
-            value = _parameter(mine[key])  # not `.value`: inside a layer's call Keras casts it to the compute dtype
-            if key[0] == "own":
-                yield keras.ops.convert_to_numpy(value)
+            if self.standing_in:
+                yield np.zeros((0,), "float32")
                 continue
-            variable = state.variables[key[1]]
-            whole = self._all_gathered(value.detach(), f"state.{key[1]}.{key[2]}")
-            yield whole[:int(np.prod(variable.shape))].reshape(variable.shape).cpu().numpy()
+            if self.leading:
+                self._announce(("state", key))
+            yield self._gathered_state(key)
+
+    def _gathered_state(self, key: tuple) -> np.ndarray:
+        """One variable of the unsharded optimizer's state, by its key in `whole_layout` (collective)."""
+        optimizer, state = self.optimizer, self.state
+        value = _parameter(dict(zip(optimizer_sharding.layout_of(optimizer.variables, state.slots),
+                                    optimizer.variables))[key])  # not `.value`: in a layer's call, the compute dtype
+        if key[0] == "own":
+            return keras.ops.convert_to_numpy(value)
+        variable = state.variables[key[1]]
+        whole = self._all_gathered(value.detach(), f"state.{key[1]}.{key[2]}")
+        return whole[:int(np.prod(variable.shape))].reshape(variable.shape).cpu().numpy()
 
     def _clipped(self, grads: list, clip_norm: float) -> list:
         """The slices' gradients scaled so that the whole gradients' joint norm is at most `clip_norm`."""
@@ -232,9 +250,15 @@ class SplitWeights:
         optimizer is built on the slices there, and `join` is never called for it but at
         the next compile (collective)."""
         self.for_good = True
-        self.state.notes_loads = False  # its fit restores no backup (NOT_SAVED_WHOLE): each process loads its own
+        self.state.notes_loads = False  # a load is every process's, a restore hands out what it reads (`follow`)
         if not self.optimizer.built:
             self.optimizer.build(model.trainable_variables)
+        # Those built split and not trained (frozen before this compile): whole for good.
+        for variable in model.weights:
+            if SLICE in vars(variable) and id(variable) not in self.index:
+                part = vars(variable).pop(SLICE).detach()
+                everyone = self._all_gathered(part, f"frozen.{variable.path}")
+                _parameter(variable).data = everyone[:int(np.prod(variable.shape))].reshape(tuple(variable.shape))
         self.split(model)
 
     def join(self, gather: bool = True) -> None:
@@ -256,7 +280,7 @@ class SplitWeights:
         """Every variable whole for the duration (evaluation, a checkpoint or the model's
         `get_weights` and `set_weights` in fit; collective); what was assigned meanwhile
         (`set_weights`: `EarlyStopping` restoring the best weights) reaches the slices."""
-        if not self.active or self._whole_depth or self.leading:  # a save gathers a layer at a time
+        if not self.active or self._whole_depth or self.leading or self.standing_in:  # a layer at a time
             yield
             return
         self.gather(self.variables)
@@ -278,10 +302,13 @@ class SplitWeights:
         return whole_method
 
     # --- saves and loads of a model split for good, a layer at a time -----------------------
+    # The chief leads, announcing each gather, and the others follow (`follow`): in the
+    # script's saves (`leading_save`) and in fit's checkpoints (`checkpoint_together`), where
+    # a backup's restore at fit's start is the chief's alone and it hands out what it reads.
     @contextlib.contextmanager
     def leading_save(self) -> Iterator[None]:
         """The chief's save: each layer's split variables are gathered as Keras writes them,
-        each gather announced to the other processes (`follow_save`), then released."""
+        each gather announced to the other processes (`follow`), then released."""
         self.leading = True
         try:
             yield
@@ -289,29 +316,55 @@ class SplitWeights:
             self.leading = False
             self._announce(None)
 
-    def follow_save(self) -> None:
-        """Another process's part in the chief's save: each gather it announces, until it ends."""
-        while (request := self.collectives.broadcast_object(None)) is not None:
-            kind, indices = request
-            if kind == "state":
-                for _ in self._gather_whole_state():
-                    pass
+    @contextlib.contextmanager
+    def checkpoint_together(self) -> Iterator[None]:
+        """A checkpoint of fit (or its restore) on the chief, whose stand-ins on every other
+        process run at the same step (collective): the chief leads each gather, and hands
+        out what its restore reads; a stand-in's own walk gathers nothing (it writes empty
+        values into its scratch copy, which nothing reads) and then follows the chief's,
+        so that whether each side saves (`save_best_only`) cannot set them apart."""
+        chief = self.rank == 0
+        self.together, self.leading, self.standing_in = True, chief, not chief
+        try:
+            yield
+        finally:
+            self.together, self.leading, self.standing_in = False, False, False
+            if chief:
+                self._announce(None)
             else:
-                self.release(self.gather([self.variables[i] for i in indices]))
+                self.follow()
+
+    def follow(self) -> None:
+        """Another process's part in what the chief leads: each gather, or value it read from
+        a file, that it announces, until it ends."""
+        while (request := self.collectives.broadcast_object(None)) is not None:
+            kind, detail = request
+            if kind == "state":
+                self._gathered_state(detail)
+            elif kind == "weights":
+                self.release(self.gather([self.variables[i] for i in detail]))
+            elif kind == "loaded weights":
+                self._take_loaded([self.variables[i] for i in detail])
+            else:  # "loaded state": one optimizer variable's whole value
+                mine = dict(zip(optimizer_sharding.layout_of(self.optimizer.variables, self.state.slots),
+                                self.optimizer.variables))[detail]
+                mine.assign(self._my_share_of_loaded(mine, detail, self.collectives.broadcast_object(None)))
 
     def _announce(self, request: tuple | None) -> None:
         self.collectives.broadcast_object(request)
 
     @contextlib.contextmanager
     def gathered_for_save(self, variables: list) -> Iterator[None]:
-        """`variables` (one layer's) whole while Keras writes them, in the chief's save."""
+        """`variables` (one layer's) whole while Keras writes them, in the chief's save or in
+        a checkpoint every process writes."""
         wanted = [v for v in variables if id(v) in self.released]
-        if not wanted:
+        if not wanted or self.standing_in:
             yield
             return
         if not self.leading:
             raise KerasDistError(f"{wanted[0].path} is split over the job's processes (keras_dist.split_weights): save "
-                                 "with model.save or model.save_weights, called on every process")
+                                 "the model keras_dist.compile compiled, with model.save or model.save_weights called "
+                                 "on every process")
         self._announce(("weights", [self.index[id(v)] for v in wanted]))
         gathered = self.gather(wanted)
         try:
@@ -322,19 +375,40 @@ class SplitWeights:
     @contextlib.contextmanager
     def room_for_load(self, variables: list) -> Iterator[None]:
         """Room for `variables` (one layer's) whole while Keras reads them from a file; each
-        then keeps its slice of what was read (no collective: every process reads the file)."""
+        then keeps its slice of what was read (no collective where every process reads the
+        file; in a backup's restore the chief hands each value to the others)."""
         torch = self._torch
-        wanted = [v for v in variables if id(v) in self.released]
-        for variable in wanted:
+        wanted = [v for v in variables if id(v) in self.index]
+        released = [v for v in wanted if id(v) in self.released]
+        for variable in released:
             parameter = _parameter(variable)
             parameter.data = torch.empty(tuple(variable.shape), dtype=parameter.dtype, device=parameter.device)
         try:
             yield
-        finally:
+        except BaseException:
+            self.release(released)
+            raise
+        if self.together and self.rank == 0 and wanted:
+            self._announce(("loaded weights", [self.index[id(v)] for v in wanted]))
+            for variable in wanted:
+                self.collectives.broadcast_(_parameter(variable).detach().to(self.collectives.device), 0)
+        with torch.no_grad():
+            for variable in wanted:
+                _parameter(self.slices[id(variable)]).copy_(self._my_slice_of(variable))
+        self.release(released)
+
+    def _take_loaded(self, variables: list) -> None:
+        """This process's slices of the values the chief's restore read (`room_for_load`)."""
+        torch = self._torch
+        for variable in variables:
+            parameter = _parameter(variable)
+            whole = torch.empty(tuple(variable.shape), dtype=parameter.dtype, device=self.collectives.device)
+            self.collectives.broadcast_(whole, 0)
+            whole = whole.to(parameter.device)
             with torch.no_grad():
-                for variable in wanted:
-                    _parameter(self.slices[id(variable)]).copy_(self._my_slice_of(variable))
-            self.release(wanted)
+                _parameter(self.slices[id(variable)]).copy_(flat_slice(torch, whole, self.rank, self.size))
+                if id(variable) not in self.released:  # held whole (read outside its layer's call)
+                    parameter.copy_(whole)
 
     def unit_of(self, layer: Any) -> list[keras.Variable]:
         return self.units.get(id(layer), []) if self.active else []

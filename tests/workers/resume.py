@@ -2,7 +2,7 @@
 
     python resume.py OUT_DIR INPUT [--kill-at STEP] [--kill-rank R] [--during-save] [--save-freq K]
                      [--notice-at STEP --notice-to launcher|self] [--no-backup] [--step-seconds S]
-                     [--record-samples] [--callback-state] [--shard optimizer|weights]
+                     [--record-samples] [--callback-state] [--shard optimizer|weights|weights-at-creation]
 
 INPUT: arrays (shuffle=True), tf_data (a map with per-element work), py_dataset or
 data_loader (shuffle=True). 96 samples, batch 4 per replica, 3 epochs, a Dropout (its
@@ -24,7 +24,8 @@ With --callback-state, a `ModelCheckpoint(save_best_only=True)` whose monitor ge
 callback of the script's keeps its own state (`get_state`/`set_state`: the epochs it saw),
 a `CSVLogger` writes OUT_DIR/log.csv and a `TensorBoard` OUT_DIR/tensorboard (every step);
 result.npz also holds the best checkpoint's weights (`best_*`) and that count.
---shard compiles with keras_dist's sharded optimizer state (and weights).
+--shard compiles with keras_dist's sharded optimizer state (and weights; weights-at-creation
+builds the model in keras_dist.split_weights()).
 """
 
 import argparse
@@ -52,7 +53,7 @@ parser.add_argument("--no-backup", action="store_true")
 parser.add_argument("--step-seconds", type=float, default=0.0)
 parser.add_argument("--record-samples", action="store_true")
 parser.add_argument("--callback-state", action="store_true")
-parser.add_argument("--shard", choices=["optimizer", "weights"])
+parser.add_argument("--shard", choices=["optimizer", "weights", "weights-at-creation"])
 args = parser.parse_args()
 
 ctx = keras_dist.init()
@@ -143,11 +144,19 @@ class RecordSamples(keras.layers.Layer):
 
 keras.utils.set_random_seed(3)
 steps = Steps()
-model = keras.Sequential([keras.Input((6,)), *([RecordSamples()] if args.record_samples else []),
-                          keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.3),
-                          keras.layers.Dense(1, activation="sigmoid")])
+def build() -> keras.Model:
+    return keras.Sequential([keras.Input((6,)), *([RecordSamples()] if args.record_samples else []),
+                             keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.3),
+                             keras.layers.Dense(1, activation="sigmoid")])
+
+
+if args.shard == "weights-at-creation":
+    with keras_dist.split_weights():
+        model = build()
+else:
+    model = build()
 keras_dist.compile(model, optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy", metrics=["accuracy"],
-                   **({"shard": args.shard} if args.shard else {}))
+                   **({"shard": args.shard} if args.shard in ("optimizer", "weights") else {}))
 backup = keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup"), save_freq=args.save_freq)
 if args.during_save and first_attempt and ctx.is_chief:
     from keras_dist.fault_tolerance import atomic_writes

@@ -1,10 +1,14 @@
 """A script's life around fits, with and without shard="weights", on 2 processes.
 
-    python split_weights_lifecycle.py RESULT_JSON none|weights
+    python split_weights_lifecycle.py RESULT_JSON none|weights|created
 
 evaluate and predict before any fit (shards of unequal length), model.save from a callback
-on every process inside fit, then the transfer-learning recipe (freeze, compile again,
+on every process inside fit, a `ModelCheckpoint(save_best_only=True)` kept across both
+fits (whose stand-ins on the other processes start each fit afresh: their decisions to
+save differ from the chief's), then the transfer-learning recipe (freeze, compile again,
 fit) and evaluate; the chief writes the evaluations, the losses and the final weights.
+`created` builds the model in `keras_dist.split_weights()`, its first layer frozen before
+the first compile.
 """
 
 import json
@@ -17,8 +21,20 @@ import keras_dist
 
 context = keras_dist.init()
 keras.utils.set_random_seed(0)
-model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
-shard = None if sys.argv[2] == "none" else sys.argv[2]
+
+
+def build() -> keras.Model:
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), keras.layers.Dense(4, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+if sys.argv[2] == "created":
+    with keras_dist.split_weights():
+        model = build()
+else:
+    model = build()
+model.layers[0].trainable = False
+shard = "weights" if sys.argv[2] == "weights" else None
 keras_dist.compile(model, optimizer="adam", loss="mse", shard=shard)
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(64, 5)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
@@ -31,14 +47,20 @@ class SaveInFit(keras.callbacks.Callback):
         self.model.save(sys.argv[1] + ".in-fit.keras")
 
 
-history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[SaveInFit()])
-model.layers[0].trainable = False
+best = keras.callbacks.ModelCheckpoint(sys.argv[1] + ".best.weights.h5", monitor="loss", mode="max",
+                                       save_best_only=True, save_weights_only=True)
+history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[SaveInFit(), best])
+model.layers[1].trainable = False
 keras_dist.compile(model, optimizer="adam", loss="mse", shard=shard)
-frozen = model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+frozen = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[best])
 after = model.evaluate(x[:21], y[:21], batch_size=4, verbose=0)
 saved = keras.models.load_model(sys.argv[1] + ".in-fit.keras")
+weights = model.get_weights()  # on every process: a collective where the weights are split for good
+best_model = build()
+best_model.load_weights(sys.argv[1] + ".best.weights.h5")
 if context.is_chief:
     with open(sys.argv[1], "w") as f:
         json.dump({"evaluate": [before, after], "loss": history.history["loss"] + frozen.history["loss"],
                    "saved_in_fit": [w.tolist() for w in saved.get_weights()],
-                   "weights": [w.tolist() for w in model.get_weights()]}, f)
+                   "best": [w.tolist() for w in best_model.get_weights()],
+                   "weights": [w.tolist() for w in weights]}, f)
