@@ -37,6 +37,7 @@ splits the model's trainable weights the same way while fit runs; on PyTorch,
 in flat slices.
 """
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -59,9 +60,13 @@ class ShardedState:
 
     def __init__(self, gather: Callable[[], Iterator[np.ndarray]], chief: bool, level: str = "optimizer") -> None:
         self.level = level  # "weights": the model's weights are split too (JAX, during fit)
-        # Only the chief's loads are shared (`share_loaded_state`): only it notes them (and not
-        # for weights split for good, whose fit restores no backup: a load is every process's).
+        # Only the chief's loads are shared (`share_loaded_state`): only it notes them (not for
+        # weights split for good, whose restore hands out each value as it is read).
         self.notes_loads = chief
+        # In a checkpoint of fit the chief leads each variable's gather and the other
+        # processes' stand-ins follow (`led_by_the_chief`): a stand-in gathers nothing itself.
+        self.leading = False
+        self.standing_in = False
         self.variables: list | None = None
         self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
         self.gather = gather
@@ -111,15 +116,44 @@ def gather_whole_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> 
     process that owns it to every process (collective: every process iterates it whole).
     One variable at a time: no process holds the whole state at once."""
     state = sharded_state(optimizer)
-    mine = dict(zip(layout_of(optimizer.variables, state.slots), optimizer.variables))
-    owner = owners(state.variables, replicas.size)
     for key in whole_layout(optimizer, state):
-        if key[0] == "own":  # the iteration count and learning rate, the same everywhere
-            yield keras.ops.convert_to_numpy(mine[key].value)
+        if state.standing_in:
+            yield np.zeros((0,), "float32")
             continue
-        source = owner[key[1]]
-        value = keras.ops.convert_to_numpy(mine[key].value) if replicas.rank == source else None
-        yield replicas.collectives.broadcast_object(value, source)
+        if state.leading:
+            replicas.collectives.broadcast_object(("state", key))
+        yield _whole_value(optimizer, replicas, key)
+
+
+def _whole_value(optimizer: keras.optimizers.Optimizer, replicas: Any, key: tuple) -> np.ndarray:
+    """One variable of the unsharded optimizer's state, by its key in `whole_layout`, from the
+    process that owns it (collective)."""
+    state = sharded_state(optimizer)
+    mine = dict(zip(layout_of(optimizer.variables, state.slots), optimizer.variables))
+    if key[0] == "own":  # the iteration count and learning rate, the same everywhere
+        return keras.ops.convert_to_numpy(mine[key].value)
+    source = owners(state.variables, replicas.size)[key[1]]
+    value = keras.ops.convert_to_numpy(mine[key].value) if replicas.rank == source else None
+    return replicas.collectives.broadcast_object(value, source)
+
+
+@contextlib.contextmanager
+def led_by_the_chief(optimizer: keras.optimizers.Optimizer, replicas: Any) -> Iterator[None]:
+    """A checkpoint of fit on the chief, whose stand-ins on every other process run at the
+    same step (collective): the chief announces each variable's gather, and a stand-in's
+    own save gathers nothing and then follows the chief's, so that their decisions to save
+    (`save_best_only`; a stand-in starts each fit afresh) cannot set them apart."""
+    state = sharded_state(optimizer)
+    state.leading, state.standing_in = replicas.is_chief, not replicas.is_chief
+    try:
+        yield
+    finally:
+        state.leading = state.standing_in = False
+        if replicas.is_chief:
+            replicas.collectives.broadcast_object(None)
+        else:
+            while (request := replicas.collectives.broadcast_object(None)) is not None:
+                _whole_value(optimizer, replicas, request[1])
 
 
 def attach_state(optimizer: keras.optimizers.Optimizer, state: ShardedState) -> None:

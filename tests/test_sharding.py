@@ -187,15 +187,15 @@ def test_gradient_accumulation_and_bfloat16_train_sharded_as_unsharded(tmp_path,
 
 def test_split_weights_around_fits_as_unsharded(tmp_path):
     """shard="weights" splits only inside fit, and a model built in keras_dist.split_weights()
-    for good: evaluate before any fit (shards of unequal length), a callback's model.save on
+    for good (shard="optimizer" alongside, for its checkpoints' stand-ins): evaluate before any fit (shards of unequal length), a callback's model.save on
     every process in fit, a best-only checkpoint across fits, freeze and compile again."""
     found = {}
-    for shard in ("none", "weights", "created"):
+    for shard in ("none", "optimizer", "weights", "created"):
         code, output = run([BIN / "keras-dist", "launch", "-n", 2, WORKERS / "split_weights_lifecycle.py",
                             tmp_path / f"{shard}.json", shard], 300, {"KERAS_BACKEND": "torch"})
         assert code == 0 and "Traceback" not in output, output[-3000:]
         found[shard] = json.loads((tmp_path / f"{shard}.json").read_text())
-    for shard in ("weights", "created"):
+    for shard in ("optimizer", "weights", "created"):
         np.testing.assert_allclose(found[shard]["evaluate"], found["none"]["evaluate"], rtol=1e-6, err_msg=shard)
         np.testing.assert_allclose(found[shard]["loss"], found["none"]["loss"], rtol=1e-6, err_msg=shard)
         for key in ("saved_in_fit", "best", "weights"):

@@ -116,8 +116,9 @@ class TorchDistributedStrategy(Strategy):
         self._split_weights = {}
         self._splitting = None
         self.fitting = False
-        # Under shard="weights", a checkpoint in fit gathers the split weights whole while it
-        # saves (on the chief and in every other process's stand-in, at the same step).
+        # Under shard="weights", a checkpoint in fit gathers the split weights a layer at a
+        # time as the chief writes it, every other process's stand-in following its gathers;
+        # the script's saves of a model split for good likewise (`saves_by_layer`).
         self.checkpoint_io = CheckpointIO(whole_weights=self._whole_weights, split_weight_ids=self._split_weight_ids,
                                           saves_within=self._whole_for_a_save, saves_by_layer=self._split_for_good,
                                           checkpoints_within=self._whole_for_a_checkpoint, restores_within=True)
@@ -255,8 +256,15 @@ class TorchDistributedStrategy(Strategy):
         # The chief leads a checkpoint's gathers, a layer at a time, and every other process's
         # stand-in follows: a stand-in starts each fit afresh, and its own decision to save
         # (save_best_only after a resume, or in a second fit) may differ from the chief's.
+        from keras_dist import optimizer_sharding
+
         split = self._split_of(model)
-        return split.checkpoint_together() if split is not None else contextlib.nullcontext()
+        if split is not None:
+            return split.checkpoint_together()
+        state = optimizer_sharding.sharded_state(model.optimizer) if getattr(model, "optimizer", None) else None
+        if state is not None and state.level == "optimizer" and state.variables is not None:
+            return optimizer_sharding.led_by_the_chief(model.optimizer, self)
+        return contextlib.nullcontext()
 
     def _split_for_good(self, model: "keras.Model") -> Any:
         split = self._split_of(model)

@@ -1,6 +1,6 @@
 """A script's life around fits, with and without shard="weights", on 2 processes.
 
-    python split_weights_lifecycle.py RESULT_JSON none|weights|created
+    python split_weights_lifecycle.py RESULT_JSON none|optimizer|weights|created
 
 evaluate and predict before any fit (shards of unequal length), model.save from a callback
 on every process inside fit, a `ModelCheckpoint(save_best_only=True)` kept across both
@@ -34,7 +34,7 @@ if sys.argv[2] == "created":
 else:
     model = build()
 model.layers[0].trainable = False
-shard = "weights" if sys.argv[2] == "weights" else None
+shard = sys.argv[2] if sys.argv[2] in ("optimizer", "weights") else None
 keras_dist.compile(model, optimizer="adam", loss="mse", shard=shard)
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(64, 5)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
