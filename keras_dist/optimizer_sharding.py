@@ -116,25 +116,30 @@ def gather_whole_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> 
     process that owns it to every process (collective: every process iterates it whole).
     One variable at a time: no process holds the whole state at once."""
     state = sharded_state(optimizer)
+    whole_value = _whole_values(optimizer, replicas)
     for key in whole_layout(optimizer, state):
         if state.standing_in:
             yield np.zeros((0,), "float32")
             continue
         if state.leading:
             replicas.collectives.broadcast_object(("state", key))
-        yield _whole_value(optimizer, replicas, key)
+        yield whole_value(key)
 
 
-def _whole_value(optimizer: keras.optimizers.Optimizer, replicas: Any, key: tuple) -> np.ndarray:
-    """One variable of the unsharded optimizer's state, by its key in `whole_layout`, from the
-    process that owns it (collective)."""
+def _whole_values(optimizer: keras.optimizers.Optimizer, replicas: Any) -> Callable[[tuple], np.ndarray]:
+    """From a key in `whole_layout` to that variable of the unsharded optimizer's state, sent
+    by the process that owns it (collective)."""
     state = sharded_state(optimizer)
     mine = dict(zip(layout_of(optimizer.variables, state.slots), optimizer.variables))
-    if key[0] == "own":  # the iteration count and learning rate, the same everywhere
-        return keras.ops.convert_to_numpy(mine[key].value)
-    source = owners(state.variables, replicas.size)[key[1]]
-    value = keras.ops.convert_to_numpy(mine[key].value) if replicas.rank == source else None
-    return replicas.collectives.broadcast_object(value, source)
+    owner = owners(state.variables, replicas.size)
+
+    def whole_value(key: tuple) -> np.ndarray:
+        if key[0] == "own":  # the iteration count and learning rate, the same everywhere
+            return keras.ops.convert_to_numpy(mine[key].value)
+        value = keras.ops.convert_to_numpy(mine[key].value) if replicas.rank == owner[key[1]] else None
+        return replicas.collectives.broadcast_object(value, owner[key[1]])
+
+    return whole_value
 
 
 @contextlib.contextmanager
@@ -152,8 +157,9 @@ def led_by_the_chief(optimizer: keras.optimizers.Optimizer, replicas: Any) -> It
         if replicas.is_chief:
             replicas.collectives.broadcast_object(None)
         else:
+            whole_value = _whole_values(optimizer, replicas)
             while (request := replicas.collectives.broadcast_object(None)) is not None:
-                _whole_value(optimizer, replicas, request[1])
+                whole_value(request[1])
 
 
 def attach_state(optimizer: keras.optimizers.Optimizer, state: ShardedState) -> None:

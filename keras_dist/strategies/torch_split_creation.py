@@ -16,9 +16,14 @@ if TYPE_CHECKING:
     import torch
 
 
+def slice_length(count: int, size: int) -> int:
+    """The length of each of `size` equal flat slices of `count` elements (the last padded)."""
+    return max(1, -(-count // size))
+
+
 def flat_slice(torch: Any, whole: "torch.Tensor", rank: int, size: int) -> "torch.Tensor":
     """Slice `rank` of `size` equal slices of `whole`, flat and padded with zeros (a copy)."""
-    length = max(1, -(-whole.numel() // size))
+    length = slice_length(whole.numel(), size)
     if whole.numel() >= (rank + 1) * length:
         return whole.reshape(-1)[rank * length:(rank + 1) * length].clone()
     flat = torch.zeros((length * size,), dtype=whole.dtype, device=whole.device)

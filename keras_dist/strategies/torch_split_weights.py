@@ -49,7 +49,7 @@ import numpy as np
 from keras_dist import keras_internals, optimizer_sharding
 from keras_dist.errors import KerasDistError
 from keras_dist.split_creation import SLICE
-from keras_dist.strategies.torch_split_creation import flat_slice
+from keras_dist.strategies.torch_split_creation import flat_slice, slice_length
 from keras_dist.overrides import is_overridden, methods_while, override
 
 if TYPE_CHECKING:
@@ -95,7 +95,6 @@ class SplitWeights:
         self.active = False  # the variables are split (inside fit)
         self.for_good = False  # split from their creation (`keras_dist.split_weights`): they stay split
         self.leading = False  # the chief writes a save, announcing each gather to the others
-        self.together = False  # a checkpoint of fit (or its restore): the chief leads, stand-ins follow
         self.standing_in = False  # this process's stand-in walks the chief's checkpoint: it gathers nothing
         self._whole_depth = 0  # nested `whole` blocks: the outermost gathers and releases
         self._hooks: list = []
@@ -166,7 +165,7 @@ class SplitWeights:
         """What this process's optimizer variable `mine` takes of a whole one read from a file:
         its slice of a slot, all of the rest (the iteration count). In a backup's restore of a
         model split for good, the chief hands each value it read to the others."""
-        if self.together and self.rank == 0:
+        if self.leading:  # a backup's restore, the chief's alone
             self._announce(("loaded state", key))
             self.collectives.broadcast_object(whole)
         return self._my_share_of_array(whole, int(np.prod(mine.shape))) if key[0] == "slot" else whole
@@ -180,20 +179,25 @@ class SplitWeights:
     def _gather_whole_state(self) -> Iterator[np.ndarray]:
         """The unsharded optimizer's state in its order, a variable at a time (collective; in a
         save the chief leads, each variable's gather announced; a stand-in gathers nothing)."""
-        optimizer, state = self.optimizer, self.state
-        for key in optimizer_sharding.whole_layout(optimizer, state):
+        mine = self._state_by_key()
+        for key in optimizer_sharding.whole_layout(self.optimizer, self.state):
             if self.standing_in:
                 yield np.zeros((0,), "float32")
                 continue
             if self.leading:
                 self._announce(("state", key))
-            yield self._gathered_state(key)
+            yield self._gathered_state(key, mine[key])
 
-    def _gathered_state(self, key: tuple) -> np.ndarray:
-        """One variable of the unsharded optimizer's state, by its key in `whole_layout` (collective)."""
-        optimizer, state = self.optimizer, self.state
-        value = _parameter(dict(zip(optimizer_sharding.layout_of(optimizer.variables, state.slots),
-                                    optimizer.variables))[key])  # not `.value`: in a layer's call, the compute dtype
+    def _state_by_key(self) -> dict[tuple, keras.Variable]:
+        """This process's optimizer variables by their key in `optimizer_sharding.whole_layout`."""
+        variables = self.optimizer.variables
+        return dict(zip(optimizer_sharding.layout_of(variables, self.state.slots), variables))
+
+    def _gathered_state(self, key: tuple, mine: keras.Variable) -> np.ndarray:
+        """One variable of the unsharded optimizer's state, by its key in `whole_layout`, from
+        this process's `mine` (collective)."""
+        state = self.state
+        value = _parameter(mine)  # not `.value`: inside a layer's call Keras casts it to the compute dtype
         if key[0] == "own":
             return keras.ops.convert_to_numpy(value)
         variable = state.variables[key[1]]
@@ -324,11 +328,11 @@ class SplitWeights:
         values into its scratch copy, which nothing reads) and then follows the chief's,
         so that whether each side saves (`save_best_only`) cannot set them apart."""
         chief = self.rank == 0
-        self.together, self.leading, self.standing_in = True, chief, not chief
+        self.leading, self.standing_in = chief, not chief
         try:
             yield
         finally:
-            self.together, self.leading, self.standing_in = False, False, False
+            self.leading = self.standing_in = False
             if chief:
                 self._announce(None)
             else:
@@ -337,18 +341,18 @@ class SplitWeights:
     def follow(self) -> None:
         """Another process's part in what the chief leads: each gather, or value it read from
         a file, that it announces, until it ends."""
+        mine = self._state_by_key()
         while (request := self.collectives.broadcast_object(None)) is not None:
             kind, detail = request
             if kind == "state":
-                self._gathered_state(detail)
+                self._gathered_state(detail, mine[detail])
             elif kind == "weights":
                 self.release(self.gather([self.variables[i] for i in detail]))
             elif kind == "loaded weights":
                 self._take_loaded([self.variables[i] for i in detail])
             else:  # "loaded state": one optimizer variable's whole value
-                mine = dict(zip(optimizer_sharding.layout_of(self.optimizer.variables, self.state.slots),
-                                self.optimizer.variables))[detail]
-                mine.assign(self._my_share_of_loaded(mine, detail, self.collectives.broadcast_object(None)))
+                whole = self.collectives.broadcast_object(None)
+                mine[detail].assign(self._my_share_of_loaded(mine[detail], detail, whole))
 
     def _announce(self, request: tuple | None) -> None:
         self.collectives.broadcast_object(request)
@@ -388,7 +392,7 @@ class SplitWeights:
         except BaseException:
             self.release(released)
             raise
-        if self.together and self.rank == 0 and wanted:
+        if self.leading and wanted:  # a backup's restore, the chief's alone
             self._announce(("loaded weights", [self.index[id(v)] for v in wanted]))
             for variable in wanted:
                 self.collectives.broadcast_(_parameter(variable).detach().to(self.collectives.device), 0)
@@ -531,7 +535,7 @@ def _check_splittable(optimizer: Any) -> None:
 
 
 def _slice_length(variable: keras.Variable, size: int) -> int:
-    return max(1, -(-int(np.prod(variable.shape)) // size))
+    return slice_length(int(np.prod(variable.shape)), size)
 
 
 def _parameter(variable: keras.Variable) -> "torch.nn.Parameter":
