@@ -162,6 +162,16 @@ def led_by_the_chief(optimizer: keras.optimizers.Optimizer, replicas: Any) -> It
                 whole_value(request[1])
 
 
+def checkpoints_led_by_the_chief(model: keras.Model, replicas: Any) -> contextlib.AbstractContextManager[None]:
+    """The context of a checkpoint of fit (`CheckpointIO`'s `checkpoints_within`): led by the
+    chief (`led_by_the_chief`) where `model`'s optimizer keeps a share of its state."""
+    optimizer = getattr(model, "optimizer", None)
+    state = sharded_state(optimizer) if optimizer is not None else None
+    if state is not None and state.level == "optimizer" and state.variables is not None:
+        return led_by_the_chief(optimizer, replicas)
+    return contextlib.nullcontext()
+
+
 def attach_state(optimizer: keras.optimizers.Optimizer, state: ShardedState) -> None:
     """Marks `optimizer` as keeping its own share of the state, described by `state`."""
     override(optimizer, _STATE, state)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,32 +32,55 @@ class _Horovod:
 
 class HorovodTensorFlow(_Horovod, Collectives):
     """Horovod's TensorFlow operations. Eager operations are matched across processes by
-    name, so every call gets the next name of one sequence, the same on every process."""
+    name, so every call gets the next name of one sequence, the same on every process.
+
+    Args:
+        hvd: `horovod.tensorflow`, initialized.
+        peer_failure: the one-line account of an operation's error where it means a peer
+            stopped (the strategy's, which knows the job's store), or None for any other error.
+    """
 
     name = "horovod"
 
-    def __init__(self, hvd: Any):
+    def __init__(self, hvd: Any, peer_failure: Callable[[Exception], Exception | None] = lambda error: None):
         self._hvd = hvd
         self._names = itertools.count()
+        self._peer_failure = peer_failure
 
     def _name(self, kind: str) -> str:
         return f"keras_dist.{kind}.{next(self._names)}"
 
+    @contextlib.contextmanager
+    def _peers_answer(self) -> Iterator[None]:
+        """An eager operation outside fit (a save's gather, a seed's broadcast) whose peer
+        stopped or never came ends in the strategy's one line, as a step's does."""
+        try:
+            yield
+        except Exception as error:
+            failure = self._peer_failure(error)
+            if failure is None:
+                raise
+            raise failure from None
+
     def _allgather_object(self, obj: Any) -> list:
-        return self._hvd.allgather_object(obj, name=self._name("allgather_object"))
+        with self._peers_answer():
+            return self._hvd.allgather_object(obj, name=self._name("allgather_object"))
 
     def _broadcast_object(self, obj: Any, root: int) -> Any:
-        return self._hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
+        with self._peers_answer():
+            return self._hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
 
     def _broadcast_variables(self, variables: list, root: int) -> None:
-        for variable in variables:
-            variable.assign(self._hvd.broadcast(variable.value, root_rank=root, name=self._name("broadcast")))
+        with self._peers_answer():
+            for variable in variables:
+                variable.assign(self._hvd.broadcast(variable.value, root_rank=root, name=self._name("broadcast")))
 
     def _sum_arrays(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         import tensorflow as tf
 
-        summed = self._hvd.grouped_allreduce([tf.convert_to_tensor(a) for a in arrays], op=self._hvd.Sum,
-                                             name=self._name("sum_arrays"))
+        with self._peers_answer():
+            summed = self._hvd.grouped_allreduce([tf.convert_to_tensor(a) for a in arrays], op=self._hvd.Sum,
+                                                 name=self._name("sum_arrays"))
         return [s.numpy() for s in summed]
 
     # --- inside the train step (traced into its graph) --------------------------
@@ -82,12 +107,14 @@ class HorovodTensorFlow(_Horovod, Collectives):
         return self._hvd.allreduce(tf.cast(flag, tf.int32), op=self._hvd.Min) > 0
 
     def _allgather_array(self, array: np.ndarray) -> np.ndarray:
-        return self._hvd.allgather(array, name=self._name("allgather")).numpy()
+        with self._peers_answer():
+            return self._hvd.allgather(array, name=self._name("allgather")).numpy()
 
     def _barrier(self) -> None:
         import tensorflow as tf
 
-        self._hvd.allreduce(tf.zeros([1]), name=self._name("barrier"))
+        with self._peers_answer():
+            self._hvd.allreduce(tf.zeros([1]), name=self._name("barrier"))
 
 
 class HorovodTorch(_Horovod, TorchTensors):

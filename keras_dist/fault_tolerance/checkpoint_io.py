@@ -77,10 +77,10 @@ class CheckpointIO:
 
     def chief_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
         """A checkpoint or log callback as the chief runs it: its saves (and, where declared,
-        its restore) inside the engine's `saves_within`; the other hooks, off the per-batch
-        path, and the log callbacks, which only read, as they are."""
+        its restore) inside the engine's `checkpoints_within`; the other hooks, off the
+        per-batch path, and the log callbacks, which only read, as they are."""
         saves = isinstance(callback, (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore))
-        if self._saves_within is _no_context or not saves or is_overridden(callback, _WRAPPED):
+        if self._checkpoints_within is _no_context or not saves or is_overridden(callback, _WRAPPED):
             return callback
         hooks = {"_save_model": keras_internals.save_method(callback)}
         if self._restores_within and isinstance(callback, keras.callbacks.BackupAndRestore):

@@ -108,7 +108,13 @@ class HorovodStrategy(Strategy):
         super().__init__(environment, chosen)
         self._hvd = _import_horovod()
         self._hvd.init()
-        self.collectives = HorovodTensorFlow(self._hvd)
+        self.collectives = HorovodTensorFlow(self._hvd, self._peer_failure)
+        from keras_dist import optimizer_sharding
+        from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
+
+        # Under shard="optimizer" a checkpoint gathers every process's share: the chief leads.
+        self.checkpoint_io = CheckpointIO(
+            checkpoints_within=lambda model: optimizer_sharding.checkpoints_led_by_the_chief(model, self))
         self._optimizer_numbers = itertools.count()
         self._metric_sums = itertools.count()  # traced in the same order on every process
         self.metric_states = MetricStates(self, sum_in_step=self._sum_metric_states_in_step)
@@ -142,11 +148,21 @@ class HorovodStrategy(Strategy):
         try:
             return super().run_loop(method, model, keras_method, arguments)
         except tf.errors.OpError as exc:
-            # Horovod reports a peer that stopped answering (its Gloo timeout) or ended as its
-            # own shutdown or, where the op's own Gloo wait ends first, as Gloo's error.
-            if not any(mark in str(exc) for mark in _PEER_FAILURE_MARKS) or not self._names_stopped_peers:
+            failure = self._peer_failure(exc)
+            if failure is None:
                 raise
-            raise self._who_stopped() from None
+            raise failure from None
+
+    def _peer_failure(self, error: Exception) -> PeerFailure | None:
+        """`error`'s account where it means a peer stopped; None for any other error."""
+        import tensorflow as tf
+
+        # Horovod reports a peer that stopped answering (its Gloo timeout) or ended as its
+        # own shutdown or, where the op's own Gloo wait ends first, as Gloo's error.
+        if (not isinstance(error, tf.errors.OpError) or not any(mark in str(error) for mark in _PEER_FAILURE_MARKS)
+                or not self._names_stopped_peers):
+            return None
+        return self._who_stopped()
 
     def _who_stopped(self) -> PeerFailure:
         """The ranks that stopped: each process that sees its collective fail notes so in

@@ -261,10 +261,7 @@ class TorchDistributedStrategy(Strategy):
         split = self._split_of(model)
         if split is not None:
             return split.checkpoint_together()
-        state = optimizer_sharding.sharded_state(model.optimizer) if getattr(model, "optimizer", None) else None
-        if state is not None and state.level == "optimizer" and state.variables is not None:
-            return optimizer_sharding.led_by_the_chief(model.optimizer, self)
-        return contextlib.nullcontext()
+        return optimizer_sharding.checkpoints_led_by_the_chief(model, self)
 
     def _split_for_good(self, model: "keras.Model") -> Any:
         split = self._split_of(model)
