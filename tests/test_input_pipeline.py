@@ -294,3 +294,20 @@ def test_every_batched_construction_fits_under_two_processes(tmp_path, keras_bac
         assert first["steps"] == second["steps"] == [count] * 2, (name, count, first["steps"], second["steps"])
         assert first["weights"] == second["weights"] and first["loss"] == second["loss"], name
         assert all(np.isfinite(first["loss"])), name
+
+
+def test_keras_dist_pipelines_over_arrays_run_without_tf_data_autotuning():
+    """The end of an autotuned iterator waits for its tuning thread's next wake-up: each epoch
+    of fit began 0.5-1.2 s late where steps leave the core idle, as they do waiting for a
+    collective (bench/results/2026-11-28-cpu-2core-epoch-start.md). keras_dist's own
+    pipelines over arrays (the epoch's rows gathered per batch; slices where steps are
+    collectives) have nothing to tune: both turn it off."""
+    from keras_dist.inputs.arrays import EpochBatches, EpochRows, _dataset
+    from keras_dist.inputs.position import EpochPosition
+
+    ids = np.arange(16, dtype="float32")
+    rows = EpochRows({"x": ids, "y": ids, "sample_weight": None}, 2, 0, 4, EpochPosition(seed=1))
+    pipelines = {"epoch rows": EpochBatches(rows).get_tf_dataset(), "slices": _dataset({"x": ids, "y": ids}, 4)}
+    for name, dataset in pipelines.items():
+        assert dataset.options().autotune.enabled is False, name
+        assert len(list(dataset)) == (2 if name == "epoch rows" else 4), name

@@ -82,7 +82,21 @@ def _dataset(parts: dict, batch_size: int | None) -> Any:
     import tensorflow as tf
 
     kept = tuple(parts[k] for k in ("x", "y", "sample_weight") if parts.get(k) is not None)
-    return tf.data.Dataset.from_tensor_slices(for_tf_data(kept if len(kept) > 1 else kept[0])).batch(batch_size or 32)
+    return untuned(tf.data.Dataset.from_tensor_slices(for_tf_data(kept if len(kept) > 1 else kept[0]))
+                   .batch(batch_size or 32))
+
+
+def untuned(dataset: Any) -> Any:
+    """`dataset` without tf.data's autotuning, for keras_dist's own pipelines over arrays (a
+    gather or a slice per batch: nothing to tune). Autotuning runs a thread per iterator,
+    and the end of an iterator waits for that thread's next wake-up: Keras ends each epoch's
+    iterator as the next begins, so each epoch started 0.5-1.2 s late wherever steps leave
+    the core idle (waiting for a collective; bench/results/2026-11-28-cpu-2core-epoch-start.md)."""
+    import tensorflow as tf
+
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
 
 
 def _leaves(data: Any) -> list:
@@ -281,7 +295,8 @@ class EpochBatches(keras_internals.data_adapter_class()):
         rows.static_batches = rows.full_batches()
         indices = epoch.unbatch().batch(rows.batch_size, drop_remainder=rows.static_batches)
         batches = tf.data.Dataset.zip((indices, tf.data.Dataset.from_tensors(arrays).repeat()))
-        dataset = batches.map(keras_internals.gather_batch, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+        dataset = untuned(batches.map(keras_internals.gather_batch, num_parallel_calls=tf.data.AUTOTUNE)
+                          .prefetch(tf.data.AUTOTUNE))
         if self.marks_equal_steps:
             mark_equal_steps(dataset)
         return dataset
