@@ -65,9 +65,11 @@ class ArraysKind(InterleavedOutputs):
         """
         plan, parts = replicas.input_plan, data.arrays
         # Unshuffled, Keras's array adapter keeps its own order, which resumes on the same count;
-        # but an engine that must know equal-step datasets (MultiWorkerMirrored: else its batches
-        # lose their static size) reads the rows from `EpochBatches`, which tells it.
-        keras_order = not shuffle and not position.elastic and not plan.marks_equal_steps
+        # but on TensorFlow every fit reads the rows from `EpochBatches`, whose pipeline is not
+        # autotuned (`untuned`: Keras's own began each epoch a second late) and tells an engine
+        # that must know equal-step datasets (MultiWorkerMirrored: else its batches lose their
+        # static size) that it is one.
+        keras_order = not shuffle and not position.elastic and keras.backend.backend() != "tensorflow"
         if keras_order or (shuffle == "batch" and plan.num_shards == 1) \
                 or num_samples(parts) == 0:
             return None
