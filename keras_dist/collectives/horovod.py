@@ -31,8 +31,10 @@ class _Horovod:
 
 
 class HorovodTensorFlow(_Horovod, Collectives):
-    """Horovod's TensorFlow operations. Eager operations are matched across processes by
-    name, so every call gets the next name of one sequence, the same on every process.
+    """Horovod's TensorFlow operations. Every eager call gets the next name of one sequence,
+    the same on every process; Horovod 0.28 matches eager operations by kind and order
+    whatever their names (`allreduce(name="a")` on one process met `name="b"` on the
+    other), so the sequence is what keeps every process's calls in step.
 
     Args:
         hvd: `horovod.tensorflow`, initialized.
