@@ -20,6 +20,9 @@ MODEL: cnn, mlp, emb (NumPy arrays, STEPS batches per process and epoch, unshuff
 jpeg_small, jpeg_cnn (the tf.data pipeline of tfdata.py over the files in --data, built
 unsharded; `fit` runs whole epochs of it). The input modes ignore MODEL.
 
+BENCH_TF_PROFILE=DIR traces epochs 2 and 3 of `fit` with TensorFlow's profiler into DIR
+(bench/tf_timeline.py reads it).
+
 Measuring is bench/windows.py's: after a warm-up epoch, whole epochs fill windows of at
 least --window seconds, --windows of them; processes that train together close their
 windows at the same epoch (rank 0 decides, through files in --sync). The input modes need
@@ -129,6 +132,10 @@ def local_dataset(rank, size):
 
 
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# BENCH_TF_PROFILE=DIR: TensorFlow's profiler traces epochs 2 and 3 of `fit` into DIR
+# (per-op timelines for bench/tf_timeline.py; the windows then include its cost).
+PROFILE = os.environ.get("BENCH_TF_PROFILE")
+PROFILED_EPOCHS = (2, 3)
 
 
 def samples_per_epoch(size):
@@ -143,7 +150,13 @@ class Measure(keras.callbacks.Callback):
         super().__init__()
         self.windows, self.samples = windows, samples
 
+    def on_epoch_begin(self, epoch, logs=None):
+        if PROFILE and epoch == PROFILED_EPOCHS[0]:
+            tf.profiler.experimental.start(PROFILE)
+
     def on_epoch_end(self, epoch, logs=None):
+        if PROFILE and epoch == PROFILED_EPOCHS[1]:
+            tf.profiler.experimental.stop()
         if self.windows.epoch_end(self.samples):
             self.model.stop_training = True
 

@@ -121,6 +121,18 @@ def shards(dataset, count, pad, **options):
             for r in range(count)]
 
 
+def test_one_replica_on_the_host_reads_its_workers_pipeline_as_it_is(workers, request):
+    """MultiWorkerMirrored, one CPU replica per worker: TensorFlow's per-device iterator added
+    an autotuned pipeline whose end at each epoch waited for its tuning thread (0.37 s an
+    epoch between two hosts, bench/results/2026-11-28-cpu-2core-mwms-timeline.md). Shares of
+    unequal steps keep TensorFlow's distributed dataset, which ends on every worker together."""
+    if request.node.callspec.params["workers"] != "multi_worker_mirrored":
+        pytest.skip("MultiWorkerMirrored's input; Horovod feeds Keras the share itself")
+    for worker in workers:
+        read = worker["replica_input"]
+        assert read["equal"] == "tf.data.Dataset" and read["unequal"].startswith("DistributedDataset"), read
+
+
 def test_odd_lengths_pad_fewer_than_n_elements_from_the_start():
     dataset = tf.data.Dataset.range(11).map(lambda i: i * 10).batch(4)
     assert shards(dataset, 3, pad=False) == [[[0, 30, 60, 90]], [[10, 40, 70, 100]], [[20, 50, 80]]]

@@ -65,6 +65,21 @@ def rank_seeded(make_dataset):
     return dataset
 
 
+def replica_input():
+    """What a strategy's replicas read from a share of equal steps (keras_dist padded it) and
+    from one of unequal steps: under MultiWorkerMirrored the first is the worker's pipeline
+    itself (one replica on the host), the second TensorFlow's distributed dataset, whose
+    end agrees across workers."""
+    from keras_dist.inputs.base import mark_equal_steps
+
+    strategy = ctx.strategy if ctx.name == "multi_worker_mirrored" else tf.distribute.get_strategy()
+    equal, unequal = tf.data.Dataset.range(8).batch(2), tf.data.Dataset.range(8).batch(2)
+    mark_equal_steps(equal)
+    return {name: "tf.data.Dataset" if isinstance(read, tf.data.Dataset) else type(read).__name__
+            for name, read in (("equal", strategy.experimental_distribute_dataset(equal)),
+                               ("unequal", strategy.experimental_distribute_dataset(unequal)))}
+
+
 def error_of(call):
     try:
         call()
@@ -100,6 +115,7 @@ if __name__ == "__main__":
         "one_file": fit(tf.data.TFRecordDataset(files[0]).map(parse).map(features).batch(8)),
         "filtered": fit(tf.data.Dataset.range(250).filter(lambda i: i % 5 > 0).map(features).batch(8)),
         "bad_inputs": bad_inputs(),
+        "replica_input": replica_input(),
         # A loop of the script's own: the share of 10 elements in batches of 2, padded (training) or not.
         "distribute_dataset": {str(training): [b.tolist() for b in keras_dist.distribute_dataset(
             tf.data.Dataset.range(10).batch(2), training=training).as_numpy_iterator()] for training in (True, False)},
