@@ -128,7 +128,13 @@ def local_dataset(rank, size):
     if tf_data:
         return tfdata.pipeline(args.data, shard=(size, rank))
     x, y = arrays(steps * batch * size)
-    return tf.data.Dataset.from_tensor_slices((x[rank::size], y[rank::size])).batch(batch).prefetch(2)
+    # Untuned, as keras_dist's own array pipeline is: the end of an autotuned iterator waits
+    # for its tuning thread at every epoch (bench/results/2026-11-28-cpu-2core-epoch-start.md),
+    # which would measure tf.data, not the loop.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    dataset = tf.data.Dataset.from_tensor_slices((x[rank::size], y[rank::size])).batch(batch).prefetch(2)
+    return dataset.with_options(options)
 
 
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
