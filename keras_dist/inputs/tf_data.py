@@ -107,8 +107,8 @@ def distribute_share(strategy: tf.distribute.Strategy, dataset: tf.data.Dataset,
     elif equal_steps and options is None and "CPU" in devices[0].upper():
         # One replica on the host, batches of equal sizes everywhere: the replica takes the
         # worker's batches as they are. TensorFlow's per-device iterator would copy them to
-        # the same host, through a pipeline of its own, autotuned, whose end at each epoch
-        # waits for its tuning thread (0.37 s an epoch between two hosts, bench/results).
+        # the same host through a pipeline of its own, autotuned whatever the source's
+        # options, whose end at each epoch waits for its tuning thread.
         return dataset
     if not equal_steps:
         return strategy.distribute_datasets_from_function(lambda _: dataset, options)
