@@ -138,8 +138,7 @@ def local_dataset(rank, size):
 
 
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-# BENCH_TF_PROFILE=DIR: TensorFlow's profiler traces epochs 2 and 3 of `fit` into DIR
-# (per-op timelines for bench/tf_timeline.py; the windows then include its cost).
+# The windows of a profiled run include the profiler's cost: read its timeline, not its samples/s.
 PROFILE = os.environ.get("BENCH_TF_PROFILE")
 PROFILED_EPOCHS = (2, 3)
 

@@ -123,8 +123,8 @@ def shards(dataset, count, pad, **options):
 
 def test_one_replica_on_the_host_reads_its_workers_pipeline_as_it_is(workers, request):
     """MultiWorkerMirrored, one CPU replica per worker: TensorFlow's per-device iterator added
-    an autotuned pipeline whose end at each epoch waited for its tuning thread (0.37 s an
-    epoch between two hosts, bench/results/2026-11-28-cpu-2core-mwms-timeline.md). Shares of
+    an autotuned pipeline whose end at each epoch waited for its tuning thread
+    (bench/results/2026-11-28-cpu-2core-mwms-timeline.md). Shares of
     unequal steps keep TensorFlow's distributed dataset, which ends on every worker together."""
     if request.node.callspec.params["workers"] != "multi_worker_mirrored":
         pytest.skip("MultiWorkerMirrored's input; Horovod feeds Keras the share itself")
