@@ -13,7 +13,9 @@ TensorFlow backend (a JAX or PyTorch install has no TensorFlow). Differences bet
 Keras releases in that range are absorbed here, not at the call sites.
 """
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 # --- the TensorFlow trainer (keras.src.backend.tensorflow.trainer): imported only where used ---
@@ -269,6 +271,20 @@ def deferred_variables() -> list:
     from keras.src.backend.common import global_state
 
     return global_state.get_global_attribute("uninitialized_variables", [], set_to_default=True)
+
+
+@contextlib.contextmanager
+def made_without_values() -> Iterator[list]:
+    """Keras makes the variables built in the block without a value (a `keras.StatelessScope`, as when it traces a model); at the block's end the list it yields holds them, taken off Keras's pending ones (`deferred_variables`), for keras_dist's `split_weights` to give each its value; private global state."""
+    import keras
+
+    known = {id(v) for v in deferred_variables()}
+    made: list = []
+    with keras.StatelessScope(initialize_variables=False):
+        yield made
+    pending = deferred_variables()
+    made.extend(v for v in pending if id(v) not in known)
+    pending[:] = [v for v in pending if id(v) in known]
 
 
 def take_initializer(variable: Any) -> Any:

@@ -126,8 +126,8 @@ def current() -> "Strategy":
 
 def split_weights() -> contextlib.AbstractContextManager[None]:
     """Context in which to build a model whose trainable weights are split over the job's
-    processes from their creation (PyTorch; elsewhere, and without a launcher, the model
-    is built as usual): no process ever holds it whole. `keras_dist.compile` then trains
+    processes from their creation (PyTorch and JAX; on TensorFlow, and without a launcher,
+    the model is built as usual): no process holds it whole outside a step. `keras_dist.compile` then trains
     it with `shard="weights"` (docs/sharding.md).
 
     Example:

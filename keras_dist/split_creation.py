@@ -28,3 +28,4 @@ SLICE = "_keras_dist_created_slice"
 def built_split(model: Any) -> bool:
     """Whether `model` was built inside `split_weights` (some variable of it is a slice)."""
     return any(SLICE in vars(variable) for variable in getattr(model, "weights", ()))
+

@@ -511,6 +511,16 @@ def _deferred_pair():
     return made, kernel, bias
 
 
+def test_made_without_values():
+    with canary("keras.src.backend.common.global_state 'uninitialized_variables'",
+                "keras_dist.split_weights takes the variables built inside it off Keras's list"):
+        before = list(keras_internals.deferred_variables())
+        with keras_internals.made_without_values() as made:
+            kernel = keras.Variable(keras.initializers.Constant(2.0), shape=(2,))
+        assert made == [kernel] and keras_internals.variable_value(kernel) is None
+        assert keras_internals.deferred_variables() == before
+
+
 def test_deferred_variables():
     with canary("keras.src.backend.common.global_state 'uninitialized_variables'",
                 "keras_dist.split_weights finds the variables built inside it there"):

@@ -54,7 +54,9 @@ def weights_digest(weights: Iterable[keras.Variable]) -> bytes:
 
 def average_statistics(model: keras.Model, replicas: "Replicas") -> None:
     """Sets every float non-trainable weight of `model` to its mean over processes."""
-    statistics = [w for w in model.non_trainable_weights if "float" in str(w.dtype)]
+    # Weights split over the processes (a frozen layer of a model built split) are one copy already.
+    statistics = [w for w in replicas.checkpoint_io.replicated_weights(model.non_trainable_weights)
+                  if "float" in str(w.dtype)]
     if not statistics:
         return
     sums = replicas.collectives.sum_arrays([keras.ops.convert_to_numpy(w) for w in statistics])

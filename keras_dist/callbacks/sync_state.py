@@ -56,9 +56,10 @@ def sync_model_state(model: keras.Model, replicas: "Replicas") -> None:
     sharded = [o for o in built if optimizer_sharding.is_sharded(o)]
     optimizer_variables = [v for o in built if o not in sharded for v in o.variables]
     # Weights split for good (`keras_dist.split_weights`) have one copy in the job: their slices.
-    variables = replicas.checkpoint_io.replicated_weights(model.weights) + optimizer_variables
+    replicated = replicas.checkpoint_io.replicated_weights(model.weights)
+    variables = replicated + optimizer_variables
     check_same_variables(variables, replicas)
-    digests = replicas.collectives.allgather_object((weights_digest(model.weights), weights_digest(optimizer_variables)))
+    digests = replicas.collectives.allgather_object((weights_digest(replicated), weights_digest(optimizer_variables)))
     differing = [rank for rank, digest in enumerate(digests) if digest[0] != digests[0][0]]
     if differing:
         logger.info("the weights of rank(s) %s differed from the chief's before training; all now start from the "

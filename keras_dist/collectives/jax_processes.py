@@ -54,6 +54,13 @@ class JaxProcesses(Collectives):
         for variable, value in zip(variables, values):
             variable.assign(value)
 
+    def broadcast_array(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        """`array` as `root` holds it, on every process (each passes one of its shape and dtype)."""
+        from jax.experimental import multihost_utils
+
+        with self._timed():
+            return np.asarray(multihost_utils.broadcast_one_to_all(array, is_source=self.rank == root))
+
     def _barrier(self) -> None:
         from jax.experimental import multihost_utils
 

@@ -33,11 +33,12 @@ import keras
 import numpy as np
 
 from keras_dist import (environments, keras_internals, keras_workarounds_jax, network, optimizer_hooks,
-                        optimizer_sharding, timeouts)
+                        optimizer_sharding, split_creation, timeouts)
 from keras_dist.collectives import PEERS_SECONDS
 from keras_dist.collectives.jax_processes import JaxProcesses
 from keras_dist.environments import ClusterEnvironment
 from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy
+from keras_dist.strategies import jax_split_weights
 from keras_dist.strategies.jax_peer_watch import PeerWatch, coordination_client, give_up
 from keras_dist.errors import KerasDistError, PeerFailure, first_line
 from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
@@ -241,10 +242,16 @@ class JaxDataParallelStrategy(Strategy):
         self._gathers = 0  # `_whole_values` calls so far, which every process counts alike
         # The trainable weights split over the mesh in the fit under way (shard="weights"), by id.
         self._split_weights: dict[int, keras.distribution.TensorLayout] = {}
+        # How the saves of each model whose state is split over the processes (a sharded
+        # optimizer's; a model built in `keras_dist.split_weights`) are walked, by id.
+        self._leads: dict[int, jax_split_weights.ModelLeads] = {}
         self.metric_states = _JaxMetricStates(self, on_the_mesh=lambda: self._local_depth == 0)
-        # The chief saves and restores alone, so process-locally.
-        self.checkpoint_io = CheckpointIO(split_weight_ids=lambda: self._split_weights,
-                                          saves_within=self.process_local_steps, restores_within=True)
+        # The chief saves and restores alone, so process-locally; a model split for good a
+        # layer at a time, the chief leading and the others following.
+        self.checkpoint_io = CheckpointIO(whole_weights=self._saving, split_weight_ids=self._split_weight_ids,
+                                          saves_within=self._saving,
+                                          restores_within=True, saves_by_layer=jax_split_weights.split_for_good,
+                                          checkpoints_within=self._checkpointing)
 
     @property
     def num_replicas(self) -> int:
@@ -326,6 +333,8 @@ class JaxDataParallelStrategy(Strategy):
         if state is None or state.level != "weights" or keras.distribution.distribution() is not self.distribution:
             return
         for variable in model.trainable_variables:
+            if split_creation.SLICE in vars(variable):  # split for good already
+                continue
             layout = self._split_layout(tuple(variable.shape))
             if layout is not None:
                 self._split_weights[id(variable)] = layout
@@ -334,7 +343,13 @@ class JaxDataParallelStrategy(Strategy):
 
     def _whole_values(self, variables: Sequence[keras.Variable]) -> Iterator[np.ndarray]:
         """Each variable's whole value in turn, on every process (collective: first every
-        process arrives, or the ones that did not are named)."""
+        process arrives, or the ones that did not are named); in a save a model split for
+        good leads, announced to the others, and in a stand-in's own walk, empty values."""
+        saving = next((lead for lead in self._leads.values() if lead.leading or lead.standing_in), None)
+        if saving is not None and not saving.announce_state():
+            for variable in variables:
+                yield np.zeros((0,), keras.backend.standardize_dtype(variable.dtype))
+            return
         self._gathers += 1
         if _peer_watch is not None:
             _peer_watch.all_arrive(f"gather/{self._gathers}")
@@ -353,10 +368,44 @@ class JaxDataParallelStrategy(Strategy):
                 return keras.distribution.TensorLayout(spec, mesh)
         return None
 
+    # --- weights split from their creation (`keras_dist.split_weights`) -----------------
+    def creating_split_weights(self) -> contextlib.AbstractContextManager[None]:
+        if self.size == 1:
+            return contextlib.nullcontext()
+        return jax_split_weights.built_split(self._split_layout, _place)
+
+    def after_compile(self, model: keras.Model) -> None:
+        self._leads.pop(id(model), None)
+        if self.size == 1:
+            return
+        if split_creation.built_split(model):
+            self._leads[id(model)] = jax_split_weights.SplitForGood(model, self.collectives, _whole_value, _place)
+        elif model.optimizer is not None and optimizer_sharding.is_sharded(model.optimizer):
+            self._leads[id(model)] = jax_split_weights.ModelLeads(model, self.collectives)
+
+    def _split_for_good(self, model: keras.Model) -> jax_split_weights.SplitForGood | None:
+        lead = self._leads.get(id(model))
+        return lead if isinstance(lead, jax_split_weights.SplitForGood) else None
+
+    def _split_weight_ids(self) -> set[int]:
+        return {*self._split_weights, *(id(v) for lead in self._leads.values()
+                                        if isinstance(lead, jax_split_weights.SplitForGood) for v in lead.variables)}
+
+    def _saving(self, model: keras.Model) -> contextlib.AbstractContextManager[None]:
+        # The weights of a model split for good stay split: its layers gather as Keras writes them.
+        return self.process_local_steps(model, whole=False)
+
+    @contextlib.contextmanager
+    def _checkpointing(self, model: keras.Model) -> Iterator[None]:
+        lead = self._leads.get(id(model))
+        with self._saving(model), (lead.checkpoint_together() if lead is not None else contextlib.nullcontext()):
+            yield
+
     # --- work one process does alone --------------------------------------------------
     @contextlib.contextmanager
-    def process_local_steps(self, model: keras.Model) -> Iterator[None]:
-        """Runs Keras on this process's devices alone: `evaluate`, `predict`, the chief's saves.
+    def process_local_steps(self, model: keras.Model, whole: bool = True) -> Iterator[None]:
+        """Runs Keras on this process's devices alone: `evaluate`, `predict`, the chief's saves
+        (without `whole`, where the weights of a model split for good stay split).
 
         Inside `fit` (`on_the_mesh`), every step, and even every assignment to a variable
         (JAX checks the value is the same everywhere), is a collective. Here the model's
@@ -376,8 +425,10 @@ class JaxDataParallelStrategy(Strategy):
         in_fit = keras.distribution.distribution()
         keras.distribution.set_distribution(None)
         self._local_depth += 1
+        split = self._split_for_good(model) if whole else None
         try:
-            yield
+            with split.whole() if split is not None else contextlib.nullcontext():
+                yield
         finally:
             self._local_depth -= 1
             keras.distribution.set_distribution(in_fit)
@@ -424,8 +475,16 @@ def _place(variable, whole):
         variable.assign(whole)
         return
     parts = sharding.addressable_devices_indices_map(tuple(variable.shape))
+    # A copy of each part smaller than the whole: on CPUs `device_put` can keep a NumPy
+    # array's own buffer, and a slice's is the whole array's.
     keras_internals.set_jax_value(variable, jax.make_array_from_single_device_arrays(
-        tuple(variable.shape), sharding, [jax.device_put(whole[index], device) for device, index in parts.items()]))
+        tuple(variable.shape), sharding, [jax.device_put(_own_part(whole, index), device)
+                                          for device, index in parts.items()]))
+
+
+def _own_part(whole, index):
+    part = whole[index]
+    return np.array(part) if isinstance(part, np.ndarray) and part.size < np.size(whole) else part
 
 
 def _in_collective() -> contextlib.AbstractContextManager:

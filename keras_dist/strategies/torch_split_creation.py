@@ -39,12 +39,8 @@ def built_split(rank: int, size: int) -> Iterator[None]:
     at a time, and only this process's slice is kept (`SLICE`); the others get their value."""
     import torch
 
-    known = {id(v) for v in keras_internals.deferred_variables()}
-    with keras.StatelessScope(initialize_variables=False):
+    with keras_internals.made_without_values() as made:
         yield
-    pending = keras_internals.deferred_variables()
-    made = [v for v in pending if id(v) not in known]
-    pending[:] = [v for v in pending if id(v) in known]
     for variable in made:
         if not (variable.trainable and keras.backend.is_float_dtype(variable.dtype)):
             keras_internals.initialize_deferred(variable)

@@ -49,6 +49,7 @@ import numpy as np
 from keras_dist import keras_internals, optimizer_sharding
 from keras_dist.errors import KerasDistError
 from keras_dist.split_creation import SLICE
+from keras_dist.strategies.chief_leads import ChiefLeads
 from keras_dist.strategies.torch_split_creation import flat_slice, slice_length
 from keras_dist.overrides import is_overridden, methods_while, override
 
@@ -63,7 +64,7 @@ _SPLIT = "_keras_dist_split_weights"
 
 
 
-class SplitWeights:
+class SplitWeights(ChiefLeads):
     """One model's trainable variables split over the job's processes, with the optimizer
     that trains their slices.
 
@@ -79,9 +80,10 @@ class SplitWeights:
                  in_train_step: Callable[[], bool]) -> None:
         import torch
 
+        super().__init__(collectives)
         self._torch = torch
         self.in_train_step = in_train_step
-        self.collectives, self.rank, self.size = collectives, collectives.rank, collectives.size
+        self.rank, self.size = collectives.rank, collectives.size
         self.optimizer = optimizer
         self.variables: list[keras.Variable] = []  # the model's, as the optimizer was built on them
         self.index: dict[int, int] = {}  # id(variable) -> its position in `variables`
@@ -94,8 +96,6 @@ class SplitWeights:
         self.pending: dict[int, list] = {}  # id(layer) -> its (variable, gradient)s complete, not yet reduced
         self.active = False  # the variables are split (inside fit)
         self.for_good = False  # split from their creation (`keras_dist.split_weights`): they stay split
-        self.leading = False  # the chief writes a save, announcing each gather to the others
-        self.standing_in = False  # this process's stand-in walks the chief's checkpoint: it gathers nothing
         self._whole_depth = 0  # nested `whole` blocks: the outermost gathers and releases
         self._hooks: list = []
         self.state = optimizer_sharding.ShardedState(self._gather_whole_state, collectives.rank == 0, "weights")
@@ -166,7 +166,7 @@ class SplitWeights:
         its slice of a slot, all of the rest (the iteration count). In a backup's restore of a
         model split for good, the chief hands each value it read to the others."""
         if self.leading:  # a backup's restore, the chief's alone
-            self._announce(("loaded state", key))
+            self.announce(("loaded state", key))
             self.collectives.broadcast_object(whole)
         return self._my_share_of_array(whole, int(np.prod(mine.shape))) if key[0] == "slot" else whole
 
@@ -185,7 +185,7 @@ class SplitWeights:
                 yield np.zeros((0,), "float32")
                 continue
             if self.leading:
-                self._announce(("state", key))
+                self.announce(("state", key))
             yield self._gathered_state(key, mine[key])
 
     def _state_by_key(self) -> dict[tuple, keras.Variable]:
@@ -306,44 +306,13 @@ class SplitWeights:
         return whole_method
 
     # --- saves and loads of a model split for good, a layer at a time -----------------------
-    # The chief leads, announcing each gather, and the others follow (`follow`): in the
-    # script's saves (`leading_save`) and in fit's checkpoints (`checkpoint_together`), where
-    # a backup's restore at fit's start is the chief's alone and it hands out what it reads.
-    @contextlib.contextmanager
-    def leading_save(self) -> Iterator[None]:
-        """The chief's save: each layer's split variables are gathered as Keras writes them,
-        each gather announced to the other processes (`follow`), then released."""
-        self.leading = True
-        try:
-            yield
-        finally:
-            self.leading = False
-            self._announce(None)
-
-    @contextlib.contextmanager
-    def checkpoint_together(self) -> Iterator[None]:
-        """A checkpoint of fit (or its restore) on the chief, whose stand-ins on every other
-        process run at the same step (collective): the chief leads each gather, and hands
-        out what its restore reads; a stand-in's own walk gathers nothing (it writes empty
-        values into its scratch copy, which nothing reads) and then follows the chief's,
-        so that whether each side saves (`save_best_only`) cannot set them apart."""
-        chief = self.rank == 0
-        self.leading, self.standing_in = chief, not chief
-        try:
-            yield
-        finally:
-            self.leading = self.standing_in = False
-            if chief:
-                self._announce(None)
-            else:
-                self.follow()
-
-    def follow(self) -> None:
-        """Another process's part in what the chief leads: each gather, or value it read from
-        a file, that it announces, until it ends."""
+    # The chief leads, announcing each gather, and the others follow (`ChiefLeads.follow`): in
+    # the script's saves (`leading_save`) and in fit's checkpoints (`checkpoint_together`),
+    # where a backup's restore at fit's start is the chief's alone and it hands out what it reads.
+    def part_taker(self) -> Callable[[str, Any], None]:
         mine = self._state_by_key()
-        while (request := self.collectives.broadcast_object(None)) is not None:
-            kind, detail = request
+
+        def take_part(kind: str, detail: Any) -> None:
             if kind == "state":
                 self._gathered_state(detail, mine[detail])
             elif kind == "weights":
@@ -354,8 +323,7 @@ class SplitWeights:
                 whole = self.collectives.broadcast_object(None)
                 mine[detail].assign(self._my_share_of_loaded(mine[detail], detail, whole))
 
-    def _announce(self, request: tuple | None) -> None:
-        self.collectives.broadcast_object(request)
+        return take_part
 
     @contextlib.contextmanager
     def gathered_for_save(self, variables: list) -> Iterator[None]:
@@ -369,7 +337,7 @@ class SplitWeights:
             raise KerasDistError(f"{wanted[0].path} is split over the job's processes (keras_dist.split_weights): save "
                                  "the model keras_dist.compile compiled, with model.save or model.save_weights called "
                                  "on every process")
-        self._announce(("weights", [self.index[id(v)] for v in wanted]))
+        self.announce(("weights", [self.index[id(v)] for v in wanted]))
         gathered = self.gather(wanted)
         try:
             yield
@@ -393,7 +361,7 @@ class SplitWeights:
             self.release(released)
             raise
         if self.leading and wanted:  # a backup's restore, the chief's alone
-            self._announce(("loaded weights", [self.index[id(v)] for v in wanted]))
+            self.announce(("loaded weights", [self.index[id(v)] for v in wanted]))
             for variable in wanted:
                 self.collectives.broadcast_(_parameter(variable).detach().to(self.collectives.device), 0)
         with torch.no_grad():
