@@ -42,11 +42,11 @@ case "${1:-}" in
       exec .venv/bin/python -m pytest "$@"
     fi
     # The whole suite: the multi-host tests (tests/test_hosts.py) run beside the rest, and
-    # Keras's own test files, the kill-and-resume runs, the package's install, Ray Train, sharding and the
-    # examples after them in the same pytest. The hosts tests mostly wait (for timeouts, on simulated hosts of
-    # one core each), so side by side the suite ends sooner; the examples run beside to even out the two
-    # groups' times (bench/results/2026-11-27-suite-time.md).
-    beside="tests/test_hosts.py tests/test_keras_suites.py tests/test_resume.py tests/test_package.py tests/test_ray.py tests/test_sharding.py tests/test_examples.py"
+    # Keras's own test files, the kill-and-resume runs, the package's install, Ray Train and sharding after
+    # them in the same pytest. The hosts tests mostly wait (for timeouts, on simulated hosts of one core
+    # each), so side by side the suite ends sooner; which files run beside evens out the two groups' times
+    # (bench/results/2026-11-27-suite-time.md).
+    beside="tests/test_hosts.py tests/test_keras_suites.py tests/test_resume.py tests/test_package.py tests/test_ray.py tests/test_sharding.py"
     hosts_log=$(mktemp)
     .venv/bin/python -m pytest -p no:cacheprovider $beside > "$hosts_log" 2>&1 &
     hosts=$!
