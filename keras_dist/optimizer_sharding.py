@@ -192,11 +192,12 @@ def gathering_saves(model: keras.Model, replicas: Any) -> None:
                      **kwargs: Any) -> Any:
             optimizer = model.optimizer
             state = sharded_state(optimizer) if optimizer is not None else None
-            if state is None or not optimizer.built:
+            by_layer = replicas.checkpoint_io.saves_by_layer(model) if state is not None else None
+            if state is None or (not optimizer.built and by_layer is None):
                 return _save(*args, **kwargs)
             try:
-                by_layer = replicas.checkpoint_io.saves_by_layer(model)
-                if by_layer is not None:  # weights split for good: gathered a layer at a time as written
+                # Weights split for good: gathered a layer at a time as written (its optimizer built or not).
+                if by_layer is not None:
                     _check_saved_by_layer(method, args[0] if args else kwargs.get("filepath"))
                     if not replicas.is_chief:
                         by_layer.follow()

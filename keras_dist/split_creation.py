@@ -20,6 +20,13 @@ every process, gather one layer at a time as Keras writes it; `load_weights` and
 
 from typing import Any
 
+# A model split for good is written a layer at a time, by the script's saves on every
+# process and by fit's checkpoints; a save of one process alone would hold it whole.
+NOT_SAVED_WHOLE = ("a model built in keras_dist.split_weights() is saved a layer at a time by model.save and "
+                   "model.save_weights called on every process, and by fit's checkpoints; model.export (or a save "
+                   "on one process) would hold it whole in one process, which keras_dist does not do yet: save the "
+                   "weights, or build the model outside split_weights() (docs/sharding.md)")
+
 # On a variable made inside `split_weights`: this process's flat slice of it, which stays
 # its value's one home (its own data is released).
 SLICE = "_keras_dist_created_slice"

@@ -332,9 +332,9 @@ class JaxDataParallelStrategy(Strategy):
         state = optimizer_sharding.sharded_state(model.optimizer) if model.optimizer is not None else None
         if state is None or state.level != "weights" or keras.distribution.distribution() is not self.distribution:
             return
+        if split_creation.built_split(model):  # split for good already; what was built outside the block stays
+            return
         for variable in model.trainable_variables:
-            if split_creation.SLICE in vars(variable):  # split for good already
-                continue
             layout = self._split_layout(tuple(variable.shape))
             if layout is not None:
                 self._split_weights[id(variable)] = layout
@@ -346,7 +346,7 @@ class JaxDataParallelStrategy(Strategy):
         process arrives, or the ones that did not are named); in a save a model split for
         good leads, announced to the others, and in a stand-in's own walk, empty values."""
         saving = next((lead for lead in self._leads.values() if lead.leading or lead.standing_in), None)
-        if saving is not None and not saving.announce_state():
+        if saving is not None and not saving.announce_state(variables):
             for variable in variables:
                 yield np.zeros((0,), keras.backend.standardize_dtype(variable.dtype))
             return
@@ -375,16 +375,21 @@ class JaxDataParallelStrategy(Strategy):
         return jax_split_weights.built_split(self._split_layout, _place)
 
     def after_compile(self, model: keras.Model) -> None:
-        self._leads.pop(id(model), None)
+        # Leads hold their model weakly: those of models gone (or compiled again) go.
+        self._leads = {key: lead for key, lead in self._leads.items() if lead.model is not None and key != id(model)}
         if self.size == 1:
             return
         if split_creation.built_split(model):
             self._leads[id(model)] = jax_split_weights.SplitForGood(model, self.collectives, _whole_value, _place)
-        elif model.optimizer is not None and optimizer_sharding.is_sharded(model.optimizer):
+        elif any(optimizer_sharding.is_sharded(o) for o in optimizer_hooks.optimizers_of(model)):
             self._leads[id(model)] = jax_split_weights.ModelLeads(model, self.collectives)
 
-    def _split_for_good(self, model: keras.Model) -> jax_split_weights.SplitForGood | None:
+    def _lead_of(self, model: keras.Model) -> jax_split_weights.ModelLeads | None:
         lead = self._leads.get(id(model))
+        return lead if lead is not None and lead.model is model else None
+
+    def _split_for_good(self, model: keras.Model) -> jax_split_weights.SplitForGood | None:
+        lead = self._lead_of(model)
         return lead if isinstance(lead, jax_split_weights.SplitForGood) else None
 
     def _split_weight_ids(self) -> set[int]:
@@ -392,13 +397,17 @@ class JaxDataParallelStrategy(Strategy):
                                         if isinstance(lead, jax_split_weights.SplitForGood) for v in lead.variables)}
 
     def _saving(self, model: keras.Model) -> contextlib.AbstractContextManager[None]:
-        # The weights of a model split for good stay split: its layers gather as Keras writes them.
+        # The weights of a model split for good stay split: its layers gather as Keras writes them,
+        # in a save the chief leads (`export`, or a save on the chief alone, would hold it whole).
+        split = self._split_for_good(model)
+        if split is not None and not (split.leading or split.standing_in):
+            raise KerasDistError(split_creation.NOT_SAVED_WHOLE)
         return self.process_local_steps(model, whole=False)
 
     @contextlib.contextmanager
     def _checkpointing(self, model: keras.Model) -> Iterator[None]:
-        lead = self._leads.get(id(model))
-        with self._saving(model), (lead.checkpoint_together() if lead is not None else contextlib.nullcontext()):
+        lead = self._lead_of(model)
+        with lead.checkpoint_together() if lead is not None else contextlib.nullcontext(), self._saving(model):
             yield
 
     # --- work one process does alone --------------------------------------------------

@@ -22,25 +22,21 @@ gathers each weight where it is used and updates each process's part. Outside fi
 """
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 import numpy as np
 
-from keras_dist import keras_internals
+from keras_dist import keras_internals, optimizer_hooks
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import is_overridden, override
-from keras_dist.split_creation import SLICE
+from keras_dist.split_creation import NOT_SAVED_WHOLE, SLICE
 from keras_dist.strategies.chief_leads import ChiefLeads
 
 # On a layer whose own variables are split for good: its model's `SplitForGood`.
 _SPLIT = "_keras_dist_jax_split_for_good"
-
-NOT_SAVED_ALONE = ("a model built in keras_dist.split_weights() is split over the job's processes: save it with "
-                   "model.save or model.save_weights called on every process (the chief writes the file), not on "
-                   "the chief alone (docs/sharding.md)")
-
 
 @contextlib.contextmanager
 def built_split(layout_for: Callable[[tuple], Any], place: Callable[[Any, np.ndarray], None]) -> Iterator[None]:
@@ -78,7 +74,11 @@ class ModelLeads(ChiefLeads):
 
     def __init__(self, model: keras.Model, collectives: Any) -> None:
         super().__init__(collectives)
-        self.model = model
+        self._model = weakref.ref(model)  # the strategy keeps leads: not the models they serve
+
+    @property
+    def model(self) -> keras.Model | None:
+        return self._model()
 
     def part_taker(self) -> Callable[[str, Any], None]:
         return self._take_part
@@ -86,15 +86,19 @@ class ModelLeads(ChiefLeads):
     def _take_part(self, kind: str, detail: Any) -> None:
         from keras_dist import optimizer_sharding
 
-        if kind == "state":  # the optimizer's, whole, in its order
-            for _ in optimizer_sharding.sharded_state(self.model.optimizer).gather():
+        if kind == "state":  # one of the model's optimizers' (a GAN's has two), whole, in its order
+            for _ in optimizer_sharding.sharded_state(optimizer_hooks.optimizers_of(self.model)[detail]).gather():
                 pass
 
-    def announce_state(self) -> bool:
-        """Before the optimizer's state is gathered for a save: announced where the chief
-        leads; False where a stand-in's own walk must gather nothing."""
+    def announce_state(self, variables: list) -> bool:
+        """Before an optimizer's state (`variables`) is gathered for a save: announced, naming
+        which of the model's optimizers, where the chief leads; False where a stand-in's own
+        walk must gather nothing."""
         if self.leading:
-            self.announce(("state", None))
+            ids = [id(v) for v in variables]
+            which = next(i for i, optimizer in enumerate(optimizer_hooks.optimizers_of(self.model))
+                         if [id(v) for v in optimizer.variables] == ids)
+            self.announce(("state", which))
         return not self.standing_in
 
 
@@ -164,7 +168,7 @@ class SplitForGood(ModelLeads):
                 yield
             return
         if not self.leading:
-            raise KerasDistError(NOT_SAVED_ALONE)
+            raise KerasDistError(NOT_SAVED_WHOLE)
         self.announce(("weights", [self.index[id(v)] for v in variables]))
         with _swapped(variables, lambda: [self._whole_value(v) for v in variables]):
             yield
@@ -192,10 +196,11 @@ class SplitForGood(ModelLeads):
                 keras_internals.set_jax_value(variable, original)
             raise
         del originals
+        for variable, layout in zip(variables, layouts):
+            keras_internals.set_jax_layout(variable, layout)
         if self.leading:  # a backup's restore, the chief's alone
             self.announce(("loaded weights", [self.index[id(v)] for v in variables]))
-        for variable, layout, whole in zip(variables, layouts, read):
-            keras_internals.set_jax_layout(variable, layout)
+        for variable, whole in zip(variables, read):
             self._place(variable, self.collectives.broadcast_array(whole) if self.leading else whole)
 
     def _take_loaded(self, variable: keras.Variable) -> None:

@@ -30,14 +30,9 @@ from keras_dist.errors import KerasDistError
 from keras_dist.overrides import override, set_while
 from keras_dist.replicas import MetricStates
 from keras_dist.settings import Settings
+from keras_dist.split_creation import NOT_SAVED_WHOLE
 from keras_dist.strategies.base import GradientOptions, ProcessSetup, Strategy, bucket_bytes, buckets
 
-# A model split for good is written a layer at a time, by the script's saves on every
-# process and by fit's checkpoints; a save of one process alone would hold it whole.
-NOT_SAVED_WHOLE = ("a model built in keras_dist.split_weights() is saved a layer at a time by model.save and "
-                   "model.save_weights called on every process, and by fit's checkpoints; model.export (or a save "
-                   "on one process) would hold it whole in one process, which keras_dist does not do yet: save the "
-                   "weights, or build the model outside split_weights() (docs/sharding.md)")
 
 if TYPE_CHECKING:
     import keras

@@ -8,7 +8,8 @@ with --headroom-mib, caps this process's data memory (`RLIMIT_DATA`) at what it 
 after the imports plus M MiB. (Run it with a fixed `MALLOC_MMAP_THRESHOLD_`: glibc then
 returns large freed buffers at once, so the cap counts what the process holds rather
 than heap its allocator keeps after a peak.) Trains 3 steps of 8 samples a process with SGD and
-momentum, writes OUT/model.weights.h5 (and, uncapped, OUT/model.keras) from every process
+momentum (OUT/initial.weights.h5 written first, before the optimizer is built), writes
+OUT/model.weights.h5 (and, uncapped, OUT/model.keras) from every process
 (the chief writes), loads the weights file back on every process, writes it again as
 OUT/again.weights.h5, and prints "trained WEIGHTS".
 """
@@ -62,6 +63,7 @@ else:
 keras_dist.compile(model, optimizer=keras.optimizers.SGD(0.01, momentum=args.momentum),
                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                    **({"shard": args.shard} if args.shard else {}))
+model.save_weights(os.path.join(args.out, "initial.weights.h5"))  # on every process, the optimizer not built
 rng = np.random.default_rng(0)
 x = rng.normal(size=(3 * 8 * context.size, args.width)).astype("float32")
 y = rng.integers(0, 10, size=len(x)).astype("int32")
