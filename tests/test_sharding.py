@@ -190,12 +190,15 @@ def test_gradient_accumulation_and_bfloat16_train_sharded_as_unsharded(tmp_path,
     # A stand-in that saved while the chief did not waited in its gather forever (session 39).
     ("tensorflow", ["--backend", "horovod"], ("none", "optimizer")),
     ("jax", [], ("none", "optimizer", "weights", "created")),
+    # Unsharded, its saves collectives: the other worker's stand-ins decide on their own.
+    ("tensorflow", ["--backend", "multi_worker_mirrored"], ("none",)),
 ])
 def test_split_weights_around_fits_as_unsharded(tmp_path, keras_backend, launch, modes):
     """shard="weights" splits only inside fit, and a model built in keras_dist.split_weights()
     for good (shard="optimizer" alongside, for its checkpoints' stand-ins): evaluate before
     any fit (shards of unequal length), a callback's model.save on every process in fit, a
-    best-only checkpoint across fits, freeze and compile again."""
+    best-only checkpoint and one every third batch across fits, one through chief_only,
+    freeze and compile again."""
     pytest.importorskip(keras_backend)
     found = {}
     for shard in modes:
@@ -206,7 +209,7 @@ def test_split_weights_around_fits_as_unsharded(tmp_path, keras_backend, launch,
     for shard in modes[1:]:
         np.testing.assert_allclose(found[shard]["evaluate"], found["none"]["evaluate"], rtol=1e-6, err_msg=shard)
         np.testing.assert_allclose(found[shard]["loss"], found["none"]["loss"], rtol=1e-6, err_msg=shard)
-        for key in ("saved_in_fit", "best", "weights"):
+        for key in ("saved_in_fit", "best", "every-third", "chief-only", "weights"):
             assert len(found[shard][key]) == len(found["none"][key]) == 6, (shard, key)
             for split, whole in zip(found[shard][key], found["none"][key]):
                 np.testing.assert_allclose(split, whole, atol=1e-6, err_msg=f"{shard} {key}")

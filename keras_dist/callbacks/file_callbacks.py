@@ -47,7 +47,10 @@ def chief_only(callback: CallbackT) -> CallbackT:
 
     For a callback of yours that only writes files (images, reports): under keras_dist
     every worker runs your callbacks, so each would write them. Not for a callback that
-    changes training (the learning rate, stopping), which every worker needs.
+    changes training (the learning rate, stopping), which every worker needs. Keras's own
+    file callbacks (`ModelCheckpoint`, `TensorBoard`...) are the chief's already: through
+    `chief_only` they stay as they are, run elsewhere as stand-ins where saves are
+    collectives (every worker takes part in them).
 
     Returns `callback` itself: `callbacks=[keras_dist.callbacks.chief_only(GANMonitor())]`.
     """
@@ -87,7 +90,7 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
     io = replicas.checkpoint_io
     kept = [io.collective_save_stand_in(c) if collective_saves and isinstance(c, _SAVING_CALLBACKS) else
             io.worker_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
-            if c not in _CHIEF_ONLY]
+            if c not in _CHIEF_ONLY or isinstance(c, FILE_WRITING_CALLBACKS)]
     return [c for c in kept if c is not None]
 
 

@@ -10,6 +10,7 @@ the part holds no engine.
 """
 
 import contextlib
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -64,6 +65,8 @@ class CheckpointIO:
         self._workers_save_in_scratch = workers_save_in_scratch
         self.saves_by_layer = saves_by_layer
         self._checkpoints_within = checkpoints_within or saves_within
+        self._scratch_copies: "weakref.WeakKeyDictionary[keras.callbacks.Callback, ScratchCallback]" = \
+            weakref.WeakKeyDictionary()
 
     def saving(self, model: keras.Model) -> contextlib.AbstractContextManager[Any]:
         """Context in which this process writes `model`: the chief's saves, and a save of the
@@ -97,12 +100,21 @@ class CheckpointIO:
     def worker_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback | None:
         """What a process other than the chief runs for a checkpoint or log callback: None to
         drop it, or, where saves are collectives, a stand-in saving into scratch."""
-        return ScratchCallback(callback) if self._workers_save_in_scratch else None
+        return self._scratch_copy(callback) if self._workers_save_in_scratch else None
 
     def collective_save_stand_in(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
         """What a process other than the chief runs for a `ModelCheckpoint` or `BackupAndRestore`
         where the model's saves gather every process's share of sharded state: a copy saving
         into a scratch directory of its own, run as the chief runs its saves."""
-        stand_in = ScratchCallback(callback)
+        stand_in = self._scratch_copy(callback)
         self.chief_callback(stand_in.inner)
         return stand_in
+
+    def _scratch_copy(self, callback: keras.callbacks.Callback) -> ScratchCallback:
+        """This process's scratch copy of `callback`, one for the callback's life: its counters
+        (batches since the last save, the best value so far) carry from one fit into the next
+        as the chief's callback's do, so that both save at the same steps of a later fit."""
+        copy = self._scratch_copies.get(callback)
+        if copy is None:
+            copy = self._scratch_copies[callback] = ScratchCallback(callback)
+        return copy

@@ -5,7 +5,9 @@
 evaluate and predict before any fit (shards of unequal length), model.save from a callback
 on every process inside fit, a `ModelCheckpoint(save_best_only=True)` kept across both
 fits (whose stand-ins on the other processes start each fit afresh: their decisions to
-save differ from the chief's), then the transfer-learning recipe (freeze, compile again,
+save differ from the chief's), a `ModelCheckpoint(save_freq=3)` kept across both fits
+(whose batch counter carries from one fit into the next), one passed through
+`keras_dist.callbacks.chief_only` (which keeps it to the chief as Keras's own already is), then the transfer-learning recipe (freeze, compile again,
 fit) and evaluate; the chief writes the evaluations, the losses and the final weights.
 `created` builds the model in `keras_dist.split_weights()`, its first layer frozen before
 the first compile.
@@ -49,10 +51,24 @@ class SaveInFit(keras.callbacks.Callback):
 
 best = keras.callbacks.ModelCheckpoint(sys.argv[1] + ".best.weights.h5", monitor="loss", mode="max",
                                        save_best_only=True, save_weights_only=True)
-history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[SaveInFit(), best])
+every_third = keras.callbacks.ModelCheckpoint(sys.argv[1] + ".every-third.weights.h5", save_freq=3,
+                                              save_weights_only=True)
+chief_only = keras_dist.callbacks.chief_only(
+    keras.callbacks.ModelCheckpoint(sys.argv[1] + ".chief-only.weights.h5", save_weights_only=True))
+history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                    callbacks=[SaveInFit(), best, every_third, chief_only])
 model.layers[1].trainable = False
 keras_dist.compile(model, optimizer="adam", loss="mse", shard=shard)
-frozen = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[best])
+# 4 steps an epoch: the chief's counter saves at the second fit's first batch.
+frozen = model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False,
+                   callbacks=[best, every_third])
+frozen.history["loss"] += model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                                    callbacks=[best]).history["loss"]
+kept = {}
+for name in ("every-third", "chief-only"):  # every third batch's, saved at the second fit's first; the first fit's end
+    kept_model = build()
+    kept_model.load_weights(f"{sys.argv[1]}.{name}.weights.h5")
+    kept[name] = [w.tolist() for w in kept_model.get_weights()]
 after = model.evaluate(x[:21], y[:21], batch_size=4, verbose=0)
 saved = keras.models.load_model(sys.argv[1] + ".in-fit.keras")
 weights = model.get_weights()  # on every process: a collective where the weights are split for good
@@ -62,5 +78,5 @@ if context.is_chief:
     with open(sys.argv[1], "w") as f:
         json.dump({"evaluate": [before, after], "loss": history.history["loss"] + frozen.history["loss"],
                    "saved_in_fit": [w.tolist() for w in saved.get_weights()],
-                   "best": [w.tolist() for w in best_model.get_weights()],
+                   "best": [w.tolist() for w in best_model.get_weights()], **kept,
                    "weights": [w.tolist() for w in weights]}, f)
