@@ -345,7 +345,7 @@ class JaxDataParallelStrategy(Strategy):
         """Each variable's whole value in turn, on every process (collective: first every
         process arrives, or the ones that did not are named); in a save a model split for
         good leads, announced to the others, and in a stand-in's own walk, empty values."""
-        saving = next((lead for lead in self._leads.values() if lead.leading or lead.standing_in), None)
+        saving = next((lead for lead in self._live_leads() if lead.leading or lead.standing_in), None)
         if saving is not None and not saving.announce_state(variables):
             for variable in variables:
                 yield np.zeros((0,), keras.backend.standardize_dtype(variable.dtype))
@@ -374,9 +374,15 @@ class JaxDataParallelStrategy(Strategy):
             return contextlib.nullcontext()
         return jax_split_weights.built_split(self._split_layout, _place)
 
+    def _live_leads(self) -> list[jax_split_weights.ModelLeads]:
+        """The leads of models still alive; those of models gone go (a lead holds its model
+        weakly, and a model split for good's lead its parts)."""
+        self._leads = {key: lead for key, lead in self._leads.items() if lead.model is not None}
+        return list(self._leads.values())
+
     def after_compile(self, model: keras.Model) -> None:
-        # Leads hold their model weakly: those of models gone (or compiled again) go.
-        self._leads = {key: lead for key, lead in self._leads.items() if lead.model is not None and key != id(model)}
+        self._live_leads()
+        self._leads.pop(id(model), None)  # compiled again
         if self.size == 1:
             return
         if split_creation.built_split(model):
@@ -393,7 +399,7 @@ class JaxDataParallelStrategy(Strategy):
         return lead if isinstance(lead, jax_split_weights.SplitForGood) else None
 
     def _split_weight_ids(self) -> set[int]:
-        return {*self._split_weights, *(id(v) for lead in self._leads.values()
+        return {*self._split_weights, *(id(v) for lead in self._live_leads()
                                         if isinstance(lead, jax_split_weights.SplitForGood) for v in lead.variables)}
 
     def _saving(self, model: keras.Model) -> contextlib.AbstractContextManager[None]:

@@ -182,25 +182,14 @@ class SplitForGood(ModelLeads):
         if self.standing_in:
             yield False
             return
-        layouts = [getattr(v, SLICE) for v in variables]
-        originals = [keras_internals.variable_value(v) for v in variables]
-        for variable in variables:
-            keras_internals.drop_jax_layout(variable)
-            keras_internals.set_jax_value(variable, np.zeros((0,), variable.dtype))
-        try:
+        read: dict[int, np.ndarray] = {}
+        with _swapped(variables, lambda: [np.zeros((0,), v.dtype) for v in variables],
+                      lambda variable, whole: read.__setitem__(id(variable), whole)):
             yield True
-            read = [np.asarray(keras_internals.variable_value(v)) for v in variables]
-        except BaseException:
-            for variable, layout, original in zip(variables, layouts, originals):
-                keras_internals.set_jax_layout(variable, layout)
-                keras_internals.set_jax_value(variable, original)
-            raise
-        del originals
-        for variable, layout in zip(variables, layouts):
-            keras_internals.set_jax_layout(variable, layout)
         if self.leading:  # a backup's restore, the chief's alone
             self.announce(("loaded weights", [self.index[id(v)] for v in variables]))
-        for variable, whole in zip(variables, read):
+        for variable in variables:
+            whole = read.pop(id(variable))
             self._place(variable, self.collectives.broadcast_array(whole) if self.leading else whole)
 
     def _take_loaded(self, variable: keras.Variable) -> None:
