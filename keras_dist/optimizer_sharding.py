@@ -26,7 +26,8 @@ backups run on the chief while every other process runs a stand-in saving into s
 (`CheckpointIO.collective_save_stand_in`), each gathering inside the optimizer's
 `save_own_variables`. Loading takes each process's share
 from a whole file; a backup the chief alone restores at fit's start reaches the others'
-shares through `share_loaded_state`.
+shares through `share_loaded_state` (on JAX, and for weights split for good on PyTorch,
+each value as the chief reads it: the chief never holds the whole state).
 
 On JAX the state is sharded by layout instead (`shard_state_by_layout`): each slot the
 optimizer makes is one array over the job's mesh, split along an axis of the variable
@@ -396,7 +397,8 @@ def save_and_load_whole(optimizer: keras.optimizers.Optimizer, state: ShardedSta
 
 def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, layout_for: Callable[[tuple], Any],
                           whole_values: Callable[[list], Iterator[np.ndarray]],
-                          place: Callable[[Any, np.ndarray], None], level: str = "optimizer") -> None:
+                          place: Callable[[Any, np.ndarray], None], level: str = "optimizer",
+                          hand_out: Callable[[list, int, np.ndarray], bool] = lambda *loaded: False) -> None:
     """Makes every slot `optimizer` builds one array split over the job's mesh (JAX).
 
     Args:
@@ -408,6 +410,10 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, la
             iterates it; raises `PeerFailure` where one does not).
         place: sets a variable to a whole value, each process keeping its part (no collective).
         level: "optimizer", or "weights" where the strategy splits the model's weights too.
+        hand_out: in a backup's restore, the chief's alone, hands each whole value read (the
+            optimizer's variables, a position, the value) to the others as it is read, and
+            returns True; False where it does not (the chief then notes the whole state,
+            `share_loaded_state`).
     """
     if is_sharded(optimizer):
         return
@@ -433,9 +439,13 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, la
             raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer has "
                                  f"{len(optimizer.variables)}: it was saved with another optimizer; compile with the "
                                  "file's")
+        handed_out = False
         for position, variable in enumerate(optimizer.variables):
-            place(variable, np.asarray(store[str(position)]))
-        note_loaded(state, store)
+            whole = np.asarray(store[str(position)])
+            place(variable, whole)
+            handed_out = hand_out(optimizer.variables, position, whole)
+        if not handed_out:
+            note_loaded(state, store)
 
     override(optimizer, "add_variable", add_variable)
     override(optimizer, "save_own_variables", save_own_variables)

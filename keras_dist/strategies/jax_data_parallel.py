@@ -323,7 +323,7 @@ class JaxDataParallelStrategy(Strategy):
             # Each slot is split over the mesh; XLA's step then updates each device's part and
             # gathers the updated variables. The slots stay split outside fit (`_localize`).
             optimizer_sharding.shard_state_by_layout(optimizer, self.is_chief, self._split_layout, self._whole_values,
-                                                     _place, options.shard)
+                                                     _place, options.shard, self._hand_out_loaded)
 
     def after_initial_sync(self, model: keras.Model) -> None:
         """Under shard="weights", splits the model's trainable weights over the mesh, once every
@@ -355,6 +355,16 @@ class JaxDataParallelStrategy(Strategy):
             _peer_watch.all_arrive(f"gather/{self._gathers}")
         for variable in variables:
             yield _whole_value(variable)
+
+    def _hand_out_loaded(self, variables: Sequence[keras.Variable], position: int, whole: np.ndarray) -> bool:
+        """In a backup's restore, the chief's alone: hands the whole value it read for the
+        optimizer variable at `position` to the others (`ModelLeads.hand_out_loaded_state`);
+        False outside one (a load every process makes)."""
+        lead = next((lead for lead in self._live_leads() if lead.leading), None)
+        if lead is None:
+            return False
+        lead.hand_out_loaded_state(list(variables), position, whole)
+        return True
 
     def _split_layout(self, shape: tuple) -> keras.distribution.TensorLayout | None:
         """A layout splitting an array of `shape` over every device, along its first axis that
@@ -388,7 +398,7 @@ class JaxDataParallelStrategy(Strategy):
         if split_creation.built_split(model):
             self._leads[id(model)] = jax_split_weights.SplitForGood(model, self.collectives, _whole_value, _place)
         elif any(optimizer_sharding.is_sharded(o) for o in optimizer_hooks.optimizers_of(model)):
-            self._leads[id(model)] = jax_split_weights.ModelLeads(model, self.collectives)
+            self._leads[id(model)] = jax_split_weights.ModelLeads(model, self.collectives, _place)
 
     def _lead_of(self, model: keras.Model) -> jax_split_weights.ModelLeads | None:
         lead = self._leads.get(id(model))

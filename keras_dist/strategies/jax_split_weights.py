@@ -67,14 +67,19 @@ class ModelLeads(ChiefLeads):
     """The chief's lead in the saves of a JAX model whose optimizer's state is split over the
     processes (`ChiefLeads`): the state is gathered whole, in its order, once announced.
 
+    In a backup's restore, the chief's alone, each value of the state it reads is handed to
+    the others as it is read (`hand_out_loaded_state`), never held whole.
+
     Args:
         model: the compiled model.
         collectives: the job's `JaxProcesses`.
+        place: sets a variable to a whole value, each process keeping its part (no collective).
     """
 
-    def __init__(self, model: keras.Model, collectives: Any) -> None:
+    def __init__(self, model: keras.Model, collectives: Any, place: Callable[[Any, np.ndarray], None]) -> None:
         super().__init__(collectives)
         self._model = weakref.ref(model)  # the strategy keeps leads: not the models they serve
+        self._place = place
 
     @property
     def model(self) -> keras.Model | None:
@@ -89,17 +94,30 @@ class ModelLeads(ChiefLeads):
         if kind == "state":  # one of the model's optimizers' (a GAN's has two), whole, in its order
             for _ in optimizer_sharding.sharded_state(optimizer_hooks.optimizers_of(self.model)[detail]).gather():
                 pass
+        elif kind == "loaded state":
+            which, position = detail
+            variable = optimizer_hooks.optimizers_of(self.model)[which].variables[position]
+            self._place(variable, self.collectives.broadcast_array(np.zeros(tuple(variable.shape), variable.dtype)))
+
+    def _which_optimizer(self, variables: list) -> int:
+        """The position among the model's optimizers of the one whose variables are `variables`."""
+        ids = [id(v) for v in variables]
+        return next(i for i, optimizer in enumerate(optimizer_hooks.optimizers_of(self.model))
+                    if [id(v) for v in optimizer.variables] == ids)
 
     def announce_state(self, variables: list) -> bool:
         """Before an optimizer's state (`variables`) is gathered for a save: announced, naming
         which of the model's optimizers, where the chief leads; False where a stand-in's own
         walk must gather nothing."""
         if self.leading:
-            ids = [id(v) for v in variables]
-            which = next(i for i, optimizer in enumerate(optimizer_hooks.optimizers_of(self.model))
-                         if [id(v) for v in optimizer.variables] == ids)
-            self.announce(("state", which))
+            self.announce(("state", self._which_optimizer(variables)))
         return not self.standing_in
+
+    def hand_out_loaded_state(self, variables: list, position: int, whole: np.ndarray) -> None:
+        """The whole value the chief's restore read for an optimizer's (`variables`) variable at
+        `position`, to the others, each of which keeps its part (`_take_part`)."""
+        self.announce(("loaded state", (self._which_optimizer(variables), position)))
+        self.collectives.broadcast_array(whole)
 
 
 class SplitForGood(ModelLeads):
@@ -115,11 +133,10 @@ class SplitForGood(ModelLeads):
 
     def __init__(self, model: keras.Model, collectives: Any, whole_value: Callable[[Any], np.ndarray],
                  place: Callable[[Any, np.ndarray], None]) -> None:
-        super().__init__(model, collectives)
+        super().__init__(model, collectives, place)
         self.variables = [v for v in model.weights if SLICE in vars(v)]  # the same order on every process
         self.index = {id(v): i for i, v in enumerate(self.variables)}
         self._whole_value = whole_value
-        self._place = place
         for layer in keras_internals.flatten_layers(model):
             if any(id(v) in self.index for v in keras_internals.own_trainable_variables(layer)):
                 _saved_in_parts(layer)
