@@ -240,21 +240,27 @@ def test_a_model_built_split_under_a_cap_below_its_weights_trains_saves_and_load
     """Issue 65: 33.6M weights (128 MiB) under a cap of 110 MiB above the imports, 4 processes.
     Built whole, the model cannot be made under the cap; built in keras_dist.split_weights(),
     it trains (a ModelCheckpoint in fit), its file equals the one an uncapped unsharded job
-    writes, and it loads back."""
+    writes, and it loads back. Killed (rank 1, SIGKILL after step 2 of 3) and restarted
+    under the same cap, it resumes from the chief's backup, read a layer at a time, and
+    ends with the same file."""
     pytest.importorskip("torch")
-    job = [BIN / "keras-dist", "launch", "-n", 4, SPLIT_AT_CREATION]
     capped = ["--layers", 32, "--headroom-mib", 110]
     for case, arguments in (("split", [*capped, "--checkpoint"]), ("whole_capped", [*capped, "--whole"]),
-                            ("whole", ["--layers", 32, "--whole"])):
+                            ("whole", ["--layers", 32, "--whole"]),
+                            ("resumed", [*capped, "--backup", "--kill-rank", 1, "--kill-after-step", 2])):
         (tmp_path / case).mkdir()
-        code, output = run([*job, tmp_path / case, *arguments], 300, FIXED_MALLOC)
+        restarts = [] if case != "resumed" else ["--max-restarts", 1]
+        code, output = run([BIN / "keras-dist", "launch", "-n", 4, *restarts, SPLIT_AT_CREATION, tmp_path / case,
+                            *arguments], 300, FIXED_MALLOC)
         if case == "whole_capped":
             assert code != 0 and "Cannot allocate memory" in output, output[-3000:]
         else:
             assert code == 0 and output.count("trained 33597450") == 4, output[-3000:]
+    assert (tmp_path / "resumed" / "killed").exists() and "fit resumes in epoch 1 after step 2" in output, output[-3000:]
     files = [tmp_path / "whole" / "model.weights.h5", tmp_path / "split" / "model.weights.h5",
              tmp_path / "split" / "model.weights.h5", tmp_path / "split" / "again.weights.h5",
-             tmp_path / "split" / "model.weights.h5", tmp_path / "split" / "checkpoint.weights.h5"]
+             tmp_path / "split" / "model.weights.h5", tmp_path / "split" / "checkpoint.weights.h5",
+             tmp_path / "whole" / "model.weights.h5", tmp_path / "resumed" / "model.weights.h5"]
     code, output = run([PYTHON, "-c", SAME_WEIGHTS_FILES, 66, *files], 120, {"KERAS_BACKEND": "torch"})
     assert code == 0 and "same files" in output, output[-3000:]
 

@@ -2,6 +2,7 @@
 it builds, trains, saves and loads back (issue 65).
 
     python split_at_creation.py OUT [--whole] [--headroom-mib M] [--layers L] [--width W]
+        [--backup --kill-rank R --kill-after-step K]
 
 Builds L Dense layers of W units (inside `keras_dist.split_weights()` unless --whole) and,
 with --headroom-mib, caps this process's data memory (`RLIMIT_DATA`) at what it holds
@@ -11,12 +12,15 @@ than heap its allocator keeps after a peak.) Trains 3 steps of 8 samples a proce
 momentum (OUT/initial.weights.h5 written first, before the optimizer is built), writes
 OUT/model.weights.h5 (and, uncapped, OUT/model.keras) from every process
 (the chief writes), loads the weights file back on every process, writes it again as
-OUT/again.weights.h5, and prints "trained WEIGHTS".
+OUT/again.weights.h5, and prints "trained WEIGHTS". With --backup a `BackupAndRestore`
+saves after every step into OUT/backup, and rank R SIGKILLs itself after step K the
+first time (OUT/killed): run under `--max-restarts 1`, the job resumes from the backup.
 """
 
 import argparse
 import os
 import resource
+import signal
 import sys
 
 import keras
@@ -33,6 +37,9 @@ parser.add_argument("--width", type=int, default=1024)
 parser.add_argument("--momentum", type=float, default=0.0)
 parser.add_argument("--shard", help="passed to keras_dist.compile")
 parser.add_argument("--checkpoint", action="store_true", help="a ModelCheckpoint in fit")
+parser.add_argument("--backup", action="store_true", help="a BackupAndRestore saving after every step")
+parser.add_argument("--kill-rank", type=int)
+parser.add_argument("--kill-after-step", type=int)
 args = parser.parse_args()
 
 
@@ -69,6 +76,18 @@ x = rng.normal(size=(3 * 8 * context.size, args.width)).astype("float32")
 y = rng.integers(0, 10, size=len(x)).astype("int32")
 callbacks = [keras.callbacks.ModelCheckpoint(os.path.join(args.out, "checkpoint.weights.h5"),
                                              save_weights_only=True)] if args.checkpoint else []
+
+
+class KillOnce(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        killed = os.path.join(args.out, "killed")
+        if batch + 1 == args.kill_after_step and context.rank == args.kill_rank and not os.path.exists(killed):
+            open(killed, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if args.backup:
+    callbacks += [keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup"), save_freq=1), KillOnce()]
 model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
 if args.headroom_mib is None:  # a .keras archive: Keras buffers its weights in memory where the machine has room
     model.save(os.path.join(args.out, "model.keras"))
