@@ -437,6 +437,17 @@ def save_method(callback: Any) -> Any:
     return callback._save_model
 
 
+# What decides when a ModelCheckpoint or BackupAndRestore saves next, carried across fits.
+_SAVE_SCHEDULE = ("_batches_seen_since_last_saving", "_last_batch_seen", "_current_epoch", "best")
+
+
+def carry_save_schedule(source: Any, target: Any) -> None:
+    """Gives a checkpoint's or backup's copy (`target`) the counters that decide its next save as `source` holds them (batches since the last save, the last batch, the epoch, the best value), for a worker's stand-in made afresh at each fit; private attributes."""
+    for name in _SAVE_SCHEDULE:
+        if name in vars(source):
+            setattr(target, name, vars(source)[name])
+
+
 def callback_model(callback: Any) -> Any:
     """The model set on a callback (`_model`; None before `set_model`), without what the public `model` does first (JAX: sync the model's variables from its training state), for a copy of the callback with the same model; private attribute."""
     return vars(callback).get("_model")

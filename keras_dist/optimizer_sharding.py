@@ -148,7 +148,7 @@ def led_by_the_chief(optimizer: keras.optimizers.Optimizer, replicas: Any) -> It
     """A checkpoint of fit on the chief, whose stand-ins on every other process run at the
     same step (collective): the chief announces each variable's gather, and a stand-in's
     own save gathers nothing and then follows the chief's, so that their decisions to save
-    (`save_best_only`; a stand-in starts each fit afresh) cannot set them apart."""
+    (`save_best_only`, where their counters differ) cannot set them apart."""
     state = sharded_state(optimizer)
     state.leading, state.standing_in = replicas.is_chief, not replicas.is_chief
     try:
@@ -444,7 +444,9 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, la
             whole = np.asarray(store[str(position)])
             place(variable, whole)
             handed_out = hand_out(optimizer.variables, position, whole)
-        if not handed_out:
+        if handed_out:
+            state.loaded = None  # an earlier load's note (a script's load_weights) must not overwrite it
+        else:
             note_loaded(state, store)
 
     override(optimizer, "add_variable", add_variable)

@@ -127,8 +127,7 @@ class DistributedTraining:
         self._split_fit_inputs(arguments, position)
         if chosen.elastic and self.strategy.is_chief and (position is None or position.resizable is None):
             _say_fit_cannot_resize()
-        arguments["callbacks"] = self._around_the_scripts_callbacks(arguments["callbacks"], script_callbacks,
-                                                                    backup, position, notice)
+        arguments["callbacks"] = self._around_the_scripts_callbacks(arguments["callbacks"], backup, position, notice)
         resumes = resume.resume_inside_epoch(self.model, position) if backup is not None and position else contextlib.nullcontext()
         with self._flag("in_fit"), resumes, watched(self.strategy):
             try:
@@ -166,14 +165,15 @@ class DistributedTraining:
                            "resume where the job failed", chosen.restart)
         return backup, automatic
 
-    def _around_the_scripts_callbacks(self, callbacks: list, script_callbacks: list, backup: Any,
+    def _around_the_scripts_callbacks(self, callbacks: list, backup: Any,
                                       position: EpochPosition | None, notice: PreemptionNotice | None) -> list:
         """The fit's callbacks with keras_dist's around them, in `FIT_CALLBACK_ORDER`; a part
         that does not apply to this fit is empty."""
         point = None
         if position is not None and backup is not None:
             runs_backup = resume.backup_of(callbacks)
-            point = resume.ResumePoint(self.strategy, runs_backup or backup, position, script_callbacks,
+            # The counters restored are those of the callbacks this process runs (a stand-in's copy).
+            point = resume.ResumePoint(self.strategy, runs_backup or backup, position, callbacks,
                                        runs_backup is not None, notice)
         several = self.strategy.size > 1
         parts = {

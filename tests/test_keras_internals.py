@@ -845,6 +845,29 @@ def test_save_method(tmp_path):
         assert saves[2:] == ["backup"] and all(os.path.exists(path) for path in keras_internals.backup_files(backup))
 
 
+def test_carry_save_schedule(tmp_path):
+    with canary("keras.src.callbacks.ModelCheckpoint's and BackupAndRestore's save counters (_batches_seen_since_last_saving, "
+                "_last_batch_seen, _current_epoch, best)",
+                "keras_dist.fault_tolerance.checkpoint_io carries them into each fit's new stand-in"):
+        model = compiled_model()
+        x, y = np.ones((8, 3)), np.ones((8, 2))
+        steps = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.__setattr__("n", steps.n + 1))
+        steps.n = 0
+        for make in (lambda name: keras.callbacks.ModelCheckpoint(str(tmp_path / f"{name}.keras"), save_freq=3),
+                     lambda name: keras.callbacks.BackupAndRestore(str(tmp_path / name), save_freq=3)):
+            saves = {}
+            kept, fresh = make("kept"), make("fresh")
+            for callback in (kept, fresh):
+                keras_save = keras_internals.save_method(callback)
+                override(callback, "_save_model", lambda *a, _c=callback, _s=keras_save, **k:
+                         saves.setdefault(id(_c), []).append(steps.n) or _s(*a, **k))
+            steps.n = 0
+            model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[steps, kept])  # 4 steps: saved after the third
+            keras_internals.carry_save_schedule(kept, fresh)
+            model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[steps, kept, fresh])
+            assert saves[id(kept)] == [3, 6] and saves[id(fresh)] == [6], (type(kept).__name__, saves)
+
+
 def test_callback_model():
     with canary("keras.src.callbacks.Callback._model",
                 "keras_dist.fault_tolerance.scratch copies a callback, not its model, with it"):

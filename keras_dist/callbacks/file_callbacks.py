@@ -75,7 +75,8 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
         A new list. On the chief, every callback, checkpoints written atomically
         (`make_writes_atomic`), logs that cannot be written warning once in a job of several processes
         (`make_log_failures_warn`). On other workers, those passed through `chief_only` are
-        left out, and Keras's file-writing callbacks dropped or, where the strategy's
+        left out (not Keras's own file callbacks, the chief's already), and Keras's
+        file-writing callbacks dropped or, where the strategy's
         saves are collective (every worker must take part in a save), replaced by the
         strategy's stand-in (`CheckpointIO.worker_callback`).
     """

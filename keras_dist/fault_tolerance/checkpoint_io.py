@@ -111,10 +111,14 @@ class CheckpointIO:
         return stand_in
 
     def _scratch_copy(self, callback: keras.callbacks.Callback) -> ScratchCallback:
-        """This process's scratch copy of `callback`, one for the callback's life: its counters
-        (batches since the last save, the best value so far) carry from one fit into the next
-        as the chief's callback's do, so that both save at the same steps of a later fit."""
-        copy = self._scratch_copies.get(callback)
-        if copy is None:
-            copy = self._scratch_copies[callback] = ScratchCallback(callback)
+        """This process's scratch copy of `callback` for one run, made afresh (the script may
+        change its settings between fits; an empty scratch directory), with the save schedule
+        of its copy in the last run (batches since the last save, the best value so far):
+        the chief's callback carries them from one fit into the next, and both must save at
+        the same steps."""
+        copy = ScratchCallback(callback)
+        previous = self._scratch_copies.get(callback)
+        if previous is not None:
+            keras_internals.carry_save_schedule(previous.inner, copy.inner)
+        self._scratch_copies[callback] = copy
         return copy

@@ -36,6 +36,7 @@ import numpy as np
 from keras_dist import keras_internals
 from keras_dist.fault_tolerance.atomic_writes import METADATA_KEY, keras_own_saves
 from keras_dist.fault_tolerance.preemption import PreemptionNotice
+from keras_dist.fault_tolerance.scratch import ScratchCallback
 from keras_dist.inputs.position import EpochPosition
 from keras_dist.errors import KerasDistError
 from keras_dist.overrides import methods_while, override
@@ -76,8 +77,12 @@ class FollowEpochs(keras.callbacks.Callback):
 def backup_of(callbacks: list) -> keras.callbacks.BackupAndRestore | None:
     """The `BackupAndRestore` among `callbacks`, if any (inside a worker's stand-in too,
     `keras_dist.fault_tolerance.scratch.ScratchCallback`)."""
-    return next((c for c in (getattr(c, "inner", c) for c in callbacks)
-                 if isinstance(c, keras.callbacks.BackupAndRestore)), None)
+    return next((c for c in map(_run_as, callbacks) if isinstance(c, keras.callbacks.BackupAndRestore)), None)
+
+
+def _run_as(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+    """The callback that runs for `callback`: a worker's stand-in runs its copy."""
+    return callback.inner if isinstance(callback, ScratchCallback) else callback
 
 
 def automatic_backup(directory: str, call: int) -> keras.callbacks.BackupAndRestore:
@@ -364,10 +369,11 @@ def _callback_state(callback: Any) -> Any:
 
 
 def _counting_callbacks(callbacks: list) -> list:
-    """(name, callback) of the fit's callbacks whose counters span epochs, named by type and rank."""
+    """(name, callback) of the fit's callbacks whose counters span epochs, named by type and rank
+    (a worker's stand-in counts as the copy it runs, `ScratchCallback.inner`)."""
     seen: dict[str, int] = {}
     named = []
-    for callback in callbacks:
+    for callback in map(_run_as, callbacks):
         if type(callback) in _CALLBACK_STATE or _keeps_own_state(callback):
             kind = type(callback).__name__
             named.append((f"{kind}_{seen.get(kind, 0)}", callback))

@@ -94,7 +94,6 @@ class ScratchCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._training = True
-        os.makedirs(self.directory, exist_ok=True)  # removed at the last run's end; the copy lasts
         with keras_own_saves(self.model):
             self.inner.on_train_begin(logs)
 

@@ -4,10 +4,11 @@ and every other process follows (`ChiefLeads`).
 
 In the script's saves (`model.save`, `save_weights` on every process) the chief walks Keras's
 save and the others follow. In a checkpoint of fit the chief's callback and, at the same
-step, every other process's stand-in run: a stand-in starts each fit afresh, so its own
-`save_best_only` decision can differ from the chief's (a second fit with the same
-checkpoint once ran the chief's gathers against none, on PyTorch and JAX). A stand-in's
-own walk therefore gathers nothing, and then it follows the chief's.
+step, every other process's stand-in run: a stand-in's own `save_best_only` decision can
+differ from the chief's wherever their counters do (a second fit with the same checkpoint
+once ran the chief's gathers against none, on PyTorch and JAX, when each fit's stand-in
+started afresh). A stand-in's own walk therefore gathers nothing, and then it follows the
+chief's.
 """
 
 import contextlib

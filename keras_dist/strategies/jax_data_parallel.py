@@ -363,6 +363,8 @@ class JaxDataParallelStrategy(Strategy):
         lead = next((lead for lead in self._live_leads() if lead.leading), None)
         if lead is None:
             return False
+        # In the variable's dtype, which the others expect (a file written elsewhere may differ).
+        whole = np.asarray(whole, dtype=keras.backend.standardize_dtype(variables[position].dtype))
         lead.hand_out_loaded_state(list(variables), position, whole)
         return True
 

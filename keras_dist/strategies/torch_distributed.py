@@ -249,8 +249,8 @@ class TorchDistributedStrategy(Strategy):
 
     def _whole_for_a_checkpoint(self, model: "keras.Model") -> contextlib.AbstractContextManager[None]:
         # The chief leads a checkpoint's gathers, a layer at a time, and every other process's
-        # stand-in follows: a stand-in starts each fit afresh, and its own decision to save
-        # (save_best_only after a resume, or in a second fit) may differ from the chief's.
+        # stand-in follows: its own decision to save (save_best_only) may differ from the
+        # chief's wherever their counters do.
         from keras_dist import optimizer_sharding
 
         split = self._split_of(model)

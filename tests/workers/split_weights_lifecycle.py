@@ -3,12 +3,13 @@
     python split_weights_lifecycle.py RESULT_JSON none|optimizer|weights|created
 
 evaluate and predict before any fit (shards of unequal length), model.save from a callback
-on every process inside fit, a `ModelCheckpoint(save_best_only=True)` kept across both
-fits (whose stand-ins on the other processes start each fit afresh: their decisions to
-save differ from the chief's), a `ModelCheckpoint(save_freq=3)` kept across both fits
-(whose batch counter carries from one fit into the next), one passed through
-`keras_dist.callbacks.chief_only` (which keeps it to the chief as Keras's own already is), then the transfer-learning recipe (freeze, compile again,
-fit) and evaluate; the chief writes the evaluations, the losses and the final weights.
+on every process inside fit, a `ModelCheckpoint(save_best_only=True)` kept across the
+fits (the chief leads its saves: a stand-in's own decision may differ), a
+`ModelCheckpoint(save_freq=3)` kept across them (its batch counter carries from one fit
+into the next on every process; the script then changes it to every second batch), one
+passed through `keras_dist.callbacks.chief_only` (the chief's already, as Keras's own file
+callbacks are), then the transfer-learning recipe (freeze, compile again, fit) and
+evaluate; the chief writes the evaluations, the losses and the final weights.
 `created` builds the model in `keras_dist.split_weights()`, its first layer frozen before
 the first compile.
 """
@@ -62,10 +63,11 @@ keras_dist.compile(model, optimizer="adam", loss="mse", shard=shard)
 # 4 steps an epoch: the chief's counter saves at the second fit's first batch.
 frozen = model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False,
                    callbacks=[best, every_third])
+every_third.save_freq = 2  # changed between fits: every process's copy saves every second batch now
 frozen.history["loss"] += model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
-                                    callbacks=[best]).history["loss"]
+                                    callbacks=[best, every_third]).history["loss"]
 kept = {}
-for name in ("every-third", "chief-only"):  # every third batch's, saved at the second fit's first; the first fit's end
+for name in ("every-third", "chief-only"):  # saved at the last batch (every second by then); the first fit's end
     kept_model = build()
     kept_model.load_weights(f"{sys.argv[1]}.{name}.weights.h5")
     kept[name] = [w.tolist() for w in kept_model.get_weights()]
