@@ -2,9 +2,15 @@
 
     .venv/bin/python bench/sharding_memory.py [--backend torch|jax|tensorflow] [--processes 2] [--width 4096] [--rounds 2]
     .venv/bin/python bench/sharding_memory.py --backend jax --cap-mib 2200
+    .venv/bin/python bench/sharding_memory.py --backend torch --settings unsharded,optimizer --restore
 
 `--settings split,weights` picks settings; `split` builds the model inside
 `keras_dist.split_weights()` (PyTorch).
+
+With --restore, each job runs twice: the first writes a `BackupAndRestore` backup after
+step 4 and every process ends there; the second restores it at fit's start, and each
+process reports its peak resident memory up to its first step (the restore and the
+initial sync, before any training) beside the peak of the whole run.
 
 Each round runs, alternated, `keras-dist launch -n N` on Keras's PyTorch (or JAX, or TensorFlow under Horovod) backend
 of an MLP (3 Dense layers of --width units and one of 10: about 50M weights at 4096) trained 6 steps
@@ -34,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def worker(out: str, width: int, shard: str | None, cap_mib: int | None) -> None:
+def worker(out: str, width: int, shard: str | None, cap_mib: int | None, phase: str | None = None) -> None:
     if cap_mib:  # before the frameworks load, as on a device: what they allocate counts
         resource.setrlimit(resource.RLIMIT_DATA, (cap_mib * 2**20, cap_mib * 2**20))
     import keras
@@ -53,8 +59,23 @@ def worker(out: str, width: int, shard: str | None, cap_mib: int | None) -> None
                        **({"shard": shard} if shard in ("optimizer", "weights") else {}))
     x = np.random.default_rng(0).normal(size=(6 * 16 * context.size, width)).astype("float32")
     y = np.zeros(len(x), "int32")
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    before_training = {}
+
+    class Phases(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+            before_training.setdefault("peak", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            if phase == "backup" and batch == 3:  # after the backup of step 4, on disk
+                from keras_dist.fault_tolerance import background_writes
+
+                background_writes.wait_for_all()
+                os._exit(0)
+
+    backup = [keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=2)] if phase else []
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[*backup, Phases()])
     report = {"rank": context.rank, "weights": model.count_params(),
+              "peak_rss_before_training_bytes": before_training["peak"],
               "optimizer_bytes": sum(held_bytes(v) for v in model.optimizer.variables),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     with open(os.path.join(out, f"memory-{context.rank}.json"), "w") as f:
@@ -70,18 +91,21 @@ def held_bytes(variable) -> int:
     return sum(int(np.prod(shape)) * 4 for shape in shapes)
 
 
-def measure(backend: str, processes: int, width: int, shard: str | None, cap_mib: int | None = None) -> list[dict]:
-    """Every process's report; empty where the job failed (under a cap: out of memory)."""
+def measure(backend: str, processes: int, width: int, shard: str | None, cap_mib: int | None = None,
+            restore: bool = False) -> list[dict]:
+    """Every process's report (of the restoring run, with `restore`); empty where the job
+    failed (under a cap: out of memory)."""
     with tempfile.TemporaryDirectory() as out:
-        command = [str(Path(sys.executable).parent / "keras-dist"), "launch", "-n", str(processes),
-                   __file__, "--worker", out, "--width", str(width), *(["--shard", shard] if shard else []),
-                   *(["--cap-mib", str(cap_mib)] if cap_mib else [])]
-        done = subprocess.run(command, timeout=1200, env={**os.environ, "KERAS_BACKEND": backend},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if done.returncode != 0:
-            if cap_mib:
-                return []
-            raise RuntimeError(f"{command} exited with {done.returncode}")
+        for phase in ("backup", "restore") if restore else (None,):
+            command = [str(Path(sys.executable).parent / "keras-dist"), "launch", "-n", str(processes),
+                       __file__, "--worker", out, "--width", str(width), *(["--shard", shard] if shard else []),
+                       *(["--cap-mib", str(cap_mib)] if cap_mib else []), *(["--phase", phase] if phase else [])]
+            done = subprocess.run(command, timeout=1200, env={**os.environ, "KERAS_BACKEND": backend},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if done.returncode != 0:
+                if cap_mib:
+                    return []
+                raise RuntimeError(f"{command} exited with {done.returncode}")
         return [json.loads(Path(out, f"memory-{rank}.json").read_text()) for rank in range(processes)]
 
 
@@ -112,9 +136,11 @@ def main() -> None:
                                            "model built in keras_dist.split_weights()); default: all the backend has "
                                            "but split")
     parser.add_argument("--shard", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=["backup", "restore"], help=argparse.SUPPRESS)
+    parser.add_argument("--restore", action="store_true", help="measure a backup's restore (see above)")
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.width, args.shard, args.cap_mib)
+        return worker(args.worker, args.width, args.shard, args.cap_mib, args.phase)
     settings = {"unsharded": None, "optimizer": "optimizer", **({"weights": "weights"} if args.backend in ("jax", "torch") else {})}
     if args.settings:
         chosen = args.settings.split(",")
@@ -131,19 +157,21 @@ def main() -> None:
     found: dict[str, list[dict]] = {name: [] for name in settings}
     for round_number in range(args.rounds):
         for name, shard in settings.items():
-            for report in measure(args.backend, args.processes, args.width, shard):
+            for report in measure(args.backend, args.processes, args.width, shard, restore=args.restore):
                 found[name].append(report)
                 print(f"round {round_number + 1} {name:9} rank {report['rank']}: {report['weights']} weights, optimizer "
-                      f"{report['optimizer_bytes'] / 2**20:.1f} MiB, peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB",
-                      flush=True)
-    keys = ("optimizer_bytes", "peak_rss_bytes")
+                      f"{report['optimizer_bytes'] / 2**20:.1f} MiB, peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB "
+                      f"({report['peak_rss_before_training_bytes'] / 2**20:.0f} MiB before the first step)", flush=True)
+    keys = ("optimizer_bytes", "peak_rss_bytes", "peak_rss_before_training_bytes")
     medians = {name: {key: statistics.median(r[key] for r in reports) for key in keys} for name, reports in found.items()}
     ratios = {name: {key: medians[name][key] / medians["unsharded"][key] for key in keys}
               for name in settings if name != "unsharded" and "unsharded" in medians}
     for name, ratio in ratios.items():
         print(f"{name} / unsharded, medians over processes and rounds: optimizer state "
-              f"{ratio['optimizer_bytes']:.3f}, peak RSS {ratio['peak_rss_bytes']:.3f}")
-    print(json.dumps({"backend": args.backend, "processes": args.processes, "width": args.width, "medians": medians,
+              f"{ratio['optimizer_bytes']:.3f}, peak RSS {ratio['peak_rss_bytes']:.3f}, before the first step "
+              f"{ratio['peak_rss_before_training_bytes']:.3f}")
+    print(json.dumps({"backend": args.backend, "processes": args.processes, "width": args.width,
+                      "restore": args.restore, "medians": medians,
                       "ratios": ratios, "runs": found}))
 
 

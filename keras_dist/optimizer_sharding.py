@@ -26,8 +26,9 @@ backups run on the chief while every other process runs a stand-in saving into s
 (`CheckpointIO.collective_save_stand_in`), each gathering inside the optimizer's
 `save_own_variables`. Loading takes each process's share
 from a whole file; a backup the chief alone restores at fit's start reaches the others'
-shares through `share_loaded_state` (on JAX, and for weights split for good on PyTorch,
-each value as the chief reads it: the chief never holds the whole state).
+shares as the chief reads each value (`led_by_the_chief`; on JAX `ModelLeads`; on
+PyTorch's split weights `SplitWeights`): the chief never holds the whole state. Where no
+lead walks the restore, the chief notes the whole state and `share_loaded_state` sends it.
 
 On JAX the state is sharded by layout instead (`shard_state_by_layout`): each slot the
 optimizer makes is one array over the job's mesh, split along an axis of the variable
@@ -72,6 +73,9 @@ class ShardedState:
         self.slots: dict[int, tuple[int, str]] = {}  # id(state variable) -> (variable index, slot name)
         self.gather = gather
         self.loaded: list[np.ndarray] | None = None
+        # The chief's way to hand each value of a backup's restore to the others as it reads
+        # it, where it leads the restore (`led_by_the_chief`): (layout key, whole value).
+        self.hand_out: Callable[[tuple, np.ndarray], None] | None = None
 
 
 def layout_of(optimizer_variables: Sequence[Any], slots: dict[int, tuple[int, str]]) -> list[tuple]:
@@ -159,8 +163,13 @@ def led_by_the_chief(optimizer: keras.optimizers.Optimizer, replicas: Any) -> It
             replicas.collectives.broadcast_object(None)
         else:
             whole_value = _whole_values(optimizer, replicas)
+            mine = dict(zip(layout_of(optimizer.variables, state.slots), optimizer.variables))
             while (request := replicas.collectives.broadcast_object(None)) is not None:
-                whole_value(request[1])
+                if request[0] == "loaded state":  # a value of the chief's restore: kept where this process holds it
+                    if request[1] in mine:
+                        mine[request[1]].assign(request[2])
+                else:
+                    whole_value(request[1])
 
 
 def checkpoints_led_by_the_chief(model: keras.Model, replicas: Any) -> contextlib.AbstractContextManager[None]:
@@ -168,6 +177,12 @@ def checkpoints_led_by_the_chief(model: keras.Model, replicas: Any) -> contextli
     chief (`led_by_the_chief`) where `model`'s optimizer keeps a share of its state."""
     optimizer = getattr(model, "optimizer", None)
     state = sharded_state(optimizer) if optimizer is not None else None
+    if state is not None and state.level == "optimizer" and state.variables is None and model.built:
+        # A backup's restore at fit's start, before TensorFlow's fit builds the optimizer:
+        # Keras's restore would build it on the chief alone, and the others could not keep
+        # their shares of what it reads.
+        with replicas.scope():
+            optimizer.build(model.trainable_variables)
     if state is not None and state.level == "optimizer" and state.variables is not None:
         return led_by_the_chief(optimizer, replicas)
     return contextlib.nullcontext()
@@ -234,9 +249,10 @@ def _check_saved_by_layer(method: str, filepath: Any) -> None:
 
 
 def share_loaded_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> None:
-    """Gives every process its share of the whole state the chief last loaded (its
-    `BackupAndRestore` restoring at fit's start: the others' stand-ins read nothing);
-    collective: every process calls it."""
+    """Gives every process its share of the whole state the chief last loaded outside a
+    restore it leads (a script's `load_weights` before fit, which may have run on the chief
+    alone; a backup's restore hands out each value as it is read instead); collective:
+    every process calls it."""
     state = sharded_state(optimizer)
     whole = replicas.collectives.broadcast_object(state.loaded if replicas.is_chief else None)
     if whole is not None:
@@ -319,6 +335,7 @@ def shard_state(optimizer: keras.optimizers.Optimizer, replicas: Any,
     keras_build, keras_apply = optimizer.build, optimizer.apply
     rank, size = replicas.rank, replicas.size
     state = ShardedState(lambda: gather_whole_state(optimizer, replicas), replicas.is_chief)
+    state.hand_out = lambda key, value: replicas.collectives.broadcast_object(("loaded state", key, value))
     placement: dict[tuple, list[int]] = {}
 
     def placed(variables: list) -> list[int]:
@@ -385,6 +402,9 @@ def save_and_load_whole(optimizer: keras.optimizers.Optimizer, state: ShardedSta
         if len(store.keys()) != len(whole):
             raise KerasDistError(f"the file holds {len(store.keys())} optimizer variables, but this optimizer unsharded "
                                  f"has {len(whole)}: it was saved with another optimizer; compile with the file's")
+        if state.leading and state.hand_out is not None:
+            _hand_out_loaded(optimizer, state, store, whole)
+            return
         position = {key: j for j, key in enumerate(whole)}
         for variable, key in zip(optimizer.variables, layout_of(optimizer.variables, state.slots)):
             value = np.asarray(store[str(position[key])])
@@ -393,6 +413,21 @@ def save_and_load_whole(optimizer: keras.optimizers.Optimizer, state: ShardedSta
 
     override(optimizer, "save_own_variables", save_own_variables)
     override(optimizer, "load_own_variables", load_own_variables)
+
+
+def _hand_out_loaded(optimizer: keras.optimizers.Optimizer, state: ShardedState, store: Any,
+                     whole: list[tuple]) -> None:
+    """The chief's restore of a backup at fit's start, which it leads (`led_by_the_chief`):
+    each value of the unsharded state, in the file's order, kept where the chief holds it
+    and handed to the others as it is read, so that the chief never holds the whole state
+    (each other process keeps what it owns)."""
+    mine = dict(zip(layout_of(optimizer.variables, state.slots), optimizer.variables))
+    for position, key in enumerate(whole):
+        value = np.asarray(store[str(position)])
+        if key in mine:
+            mine[key].assign(value)
+        state.hand_out(key, value)
+    state.loaded = None  # an earlier load's note (a script's load_weights) must not overwrite it
 
 
 def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, layout_for: Callable[[tuple], Any],

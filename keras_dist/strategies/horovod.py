@@ -112,9 +112,11 @@ class HorovodStrategy(Strategy):
         from keras_dist import optimizer_sharding
         from keras_dist.fault_tolerance.checkpoint_io import CheckpointIO
 
-        # Under shard="optimizer" a checkpoint gathers every process's share: the chief leads.
+        # Under shard="optimizer" a checkpoint gathers every process's share, and a backup's
+        # restore hands each process its share as the chief reads it: the chief leads both.
         self.checkpoint_io = CheckpointIO(
-            checkpoints_within=lambda model: optimizer_sharding.checkpoints_led_by_the_chief(model, self))
+            checkpoints_within=lambda model: optimizer_sharding.checkpoints_led_by_the_chief(model, self),
+            restores_within=True)
         self._optimizer_numbers = itertools.count()
         self._metric_sums = itertools.count()  # traced in the same order on every process
         self.metric_states = MetricStates(self, sum_in_step=self._sum_metric_states_in_step)
