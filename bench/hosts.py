@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/hosts.py [--models cnn,mlp] [--rate 200mbit] [--configs NAME,...]
                                     [--rounds 2] [--window 20] [--windows 2] [--buckets 1,4,64]
-                                    [--cycles 0.1,0.25] [--env NAME=VALUE ...]
+                                    [--cycles 0.1,0.25] [--env NAME=VALUE ...] [--link-only]
 
 Needs root (tests/hostbed.py): two network namespaces, one core each, an sshd on each,
 and every link limited with `tc tbf` to --rate. Horovod configurations run under
@@ -35,7 +35,8 @@ Configurations (processes x 1 core):
 Reported per model: samples/s (both hosts), CPU-s/sample, scaling efficiency (samples/s
 over twice plain_1) and the overlap limit: two hosts whose per-step compute (from
 plain_1) fully hides the all-reduce, which moves the gradients' bytes once each way over
-the link (ring all-reduce between two hosts), at the link throughput measured first.
+the link (ring all-reduce between two hosts), at the link throughput measured first
+(one way; also printed: each direction's while both hosts send at once, --link-only).
 The last line is a JSON object with every figure.
 """
 
@@ -104,6 +105,30 @@ def link_bytes_per_s(bed, seconds=4.0):
     return float(sender.stdout.strip())
 
 
+def both_ways_bytes_per_s(bed, seconds=4.0):
+    """TCP throughput of each direction while both hosts send at once, as a two-host ring
+    all-reduce does (each host sends half the gradients and receives the other half, twice):
+    the smaller of the two directions' rates."""
+    receivers = [bed.start(bed.hosts[i], [PYTHON, "-c", (
+        "import socket; s = socket.create_server(('0.0.0.0', %d)); c, _ = s.accept()\n"
+        "while c.recv(1 << 20): pass" % (PORT + i))]) for i in (0, 1)]
+    time.sleep(1)
+    start_at = time.time() + 2  # both senders begin together
+    senders = [bed.start(bed.hosts[i], [PYTHON, "-c", (
+        "import socket, time\n"
+        "c = socket.create_connection(('node%d', %d)); block = bytes(1 << 20); sent = 0\n"
+        "time.sleep(max(0, %f - time.time())); t = time.monotonic()\n"
+        "while time.monotonic() - t < %f: c.sendall(block); sent += len(block)\n"
+        "print(sent / (time.monotonic() - t))" % (1 - i, PORT + 1 - i, start_at, seconds))]) for i in (0, 1)]
+    rates = []
+    for sender in senders:
+        sender.wait(timeout=seconds + 30)
+        rates.append(float(bed.output(sender).strip().splitlines()[-1]))
+    for receiver in receivers:
+        receiver.kill()
+    return min(rates)
+
+
 def launch(bed, model, config, args):
     """The windows of one run: samples/s and CPU-s/sample, summed over the ranks."""
     mode, launcher, env = config
@@ -152,6 +177,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--window", type=float, default=20.0)
     parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--link-only", action="store_true", help="measure the link and stop")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="set in every configuration's processes (repeat for several)")
     args = parser.parse_args()
@@ -163,14 +189,18 @@ def main():
     params = {}
     with HostBed(2, rate=args.rate, pin=True, ssh=True) as bed:
         link = link_bytes_per_s(bed)
-        print(f"link {args.rate}: {link / 1e6:.1f} MB/s measured", flush=True)
+        both_ways = both_ways_bytes_per_s(bed)
+        print(f"link {args.rate}: {link / 1e6:.1f} MB/s measured one way, {both_ways / 1e6:.1f} MB/s each way while "
+              "both hosts send", flush=True)
+        if args.link_only:
+            return
         for round_ in range(args.rounds):
             for model in models:
                 for name, config in chosen.items():
                     windows, params[model] = launch(bed, model, config, args)
                     figures[model][name] += windows
                     print(f"round {round_} {model}/{name}: " + ", ".join(f"{s:.0f}/s" for s, _ in windows), flush=True)
-    summary = {"rate": args.rate, "link_bytes_per_s": link, "models": {}}
+    summary = {"rate": args.rate, "link_bytes_per_s": link, "both_ways_bytes_per_s": both_ways, "models": {}}
     for model in models:
         rows = {name: {"samples_per_s": statistics.median(s for s, _ in w),
                        "cpu_s_per_sample": statistics.median(c for _, c in w)} for name, w in figures[model].items() if w}
