@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,6 +15,23 @@ from keras_dist.collectives.torch_distributed import TorchTensors
 
 # Horovod 0.28 has no bfloat16 collectives: gradient_compression="bf16" is refused with this.
 NO_BFLOAT16 = "Horovod all-reduces no bfloat16; use gradient_compression='fp16' under horovodrun"
+
+
+# Horovod's own `allgather_object` and `broadcast_object` turn the pickled bytes into a
+# tensor one element at a time (`bytearray` into `tf.convert_to_tensor` or `torch.ByteTensor`):
+# 16 MiB took 0.8 s and 277 MiB more memory, and a whole optimizer state's restore once
+# peaked at 8.7 GB on the chief (bench/results/2026-11-29-cpu-2core-restore-memory.md).
+# Both fronts here send the pickled bytes as one uint8 array instead.
+
+
+def _pickled(obj: Any) -> bytearray:
+    return bytearray(pickle.dumps(obj))
+
+
+def _unpickled_parts(gathered: np.ndarray, lengths: Any) -> list:
+    """Each process's object from the bytes an all-gather concatenated in rank order."""
+    ends = np.cumsum(np.asarray(lengths, np.int64))
+    return [pickle.loads(gathered[end - length:end].tobytes()) for end, length in zip(ends, lengths)]
 
 
 class _Horovod:
@@ -65,12 +83,20 @@ class HorovodTensorFlow(_Horovod, Collectives):
             raise failure from None
 
     def _allgather_object(self, obj: Any) -> list:
+        data = np.frombuffer(_pickled(obj), np.uint8)
         with self._peers_answer():
-            return self._hvd.allgather_object(obj, name=self._name("allgather_object"))
+            lengths = self._hvd.allgather(np.array([data.size], np.int64), name=self._name("allgather_object")).numpy()
+            gathered = self._hvd.allgather(data, name=self._name("allgather_object")).numpy()
+        return _unpickled_parts(gathered, lengths.tolist())
 
     def _broadcast_object(self, obj: Any, root: int) -> Any:
+        data = np.frombuffer(_pickled(obj), np.uint8) if self.rank == root else None
         with self._peers_answer():
-            return self._hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
+            length = self._hvd.broadcast(np.array([0 if data is None else data.size], np.int64), root_rank=root,
+                                         name=self._name("broadcast_object")).numpy()
+            received = self._hvd.broadcast(np.zeros(int(length[0]), np.uint8) if data is None else data,
+                                           root_rank=root, name=self._name("broadcast_object"))
+        return obj if self.rank == root else pickle.loads(received.numpy().tobytes())
 
     def _broadcast_variables(self, variables: list, root: int) -> None:
         with self._peers_answer():
@@ -152,10 +178,23 @@ class HorovodTorch(_Horovod, TorchTensors):
     # Named: Horovod's default name is the object's type, and processes that pass objects
     # of different types (the chief's seed, the others' None) would wait for each other forever.
     def _allgather_object(self, obj: Any) -> list:
-        return self._hvd.allgather_object(obj, name="keras_dist.allgather_object")
+        import torch
+
+        data = torch.frombuffer(_pickled(obj), dtype=torch.uint8)
+        lengths = self._hvd.allgather(torch.tensor([data.numel()]), name="keras_dist.allgather_object.lengths")
+        gathered = self._hvd.allgather(data, name="keras_dist.allgather_object")
+        return _unpickled_parts(gathered.numpy(), lengths.tolist())
 
     def _broadcast_object(self, obj: Any, root: int) -> Any:
-        return self._hvd.broadcast_object(obj, root_rank=root, name="keras_dist.broadcast_object")
+        import torch
+
+        data = torch.frombuffer(_pickled(obj), dtype=torch.uint8) if self.rank == root else None
+        length = torch.tensor([0 if data is None else data.numel()])
+        self._hvd.broadcast_(length, root_rank=root, name="keras_dist.broadcast_object.length")
+        if data is None:
+            data = torch.empty(int(length[0]), dtype=torch.uint8)
+        self._hvd.broadcast_(data, root_rank=root, name="keras_dist.broadcast_object")
+        return obj if self.rank == root else pickle.loads(data.numpy().tobytes())
 
     def _barrier(self) -> None:
         self._hvd.barrier()
