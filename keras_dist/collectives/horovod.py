@@ -18,9 +18,8 @@ NO_BFLOAT16 = "Horovod all-reduces no bfloat16; use gradient_compression='fp16' 
 
 
 # Horovod's own `allgather_object` and `broadcast_object` turn the pickled bytes into a
-# tensor one element at a time (`bytearray` into `tf.convert_to_tensor` or `torch.ByteTensor`):
-# 16 MiB took 0.8 s and 277 MiB more memory, and a whole optimizer state's restore once
-# peaked at 8.7 GB on the chief (bench/results/2026-11-29-cpu-2core-restore-memory.md).
+# tensor one element at a time (`bytearray` into `tf.convert_to_tensor` or `torch.ByteTensor`),
+# many times the bytes in memory and time (bench/results/2026-11-29-cpu-2core-restore-memory.md).
 # Both fronts here send the pickled bytes as one uint8 array instead.
 
 

@@ -117,9 +117,8 @@ class PreemptionNotice(keras.callbacks.Callback):
 
     def _note(self, signum: int, frame: object) -> None:
         if os.getpid() != self._handling_pid:
-            # A process forked during fit that kept the handler: `_signals_as_before_in_child`
-            # missed it (2 of 9 runs of test_faults' forked-pool test under a loaded machine,
-            # 2026-11-29, cause not found). It acts as without keras_dist.
+            # A process forked during fit that kept the handler, where `_signals_as_before_in_child`
+            # missed it (seen on a loaded machine; cause not found): as without keras_dist.
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
             return
