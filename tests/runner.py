@@ -31,6 +31,12 @@ def selected_backend(environ, requested=None):
     return strategies.select(requested, environ, settings.Settings.from_environ(environ), environments.detect(environ))[0]
 
 
+def parent_pid(pid):
+    """The pid of process `pid`'s parent (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def run_many(commands, timeout, envs=None, cwd=None):
     """Runs the commands together, each in its own process group; returns `(code, output)`s.
 

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from runner import BIN, QUIET_ENV, WORKERS, rotated, run
+from runner import BIN, QUIET_ENV, WORKERS, parent_pid, rotated, run
 from keras_dist.launchers.processes import free_ports, kill_process_groups
 
 pytestmark = pytest.mark.timeout(300)
@@ -137,6 +137,36 @@ def test_tasks_never_outlive_their_launcher(tmp_path, backend, sig):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM)
+
+
+def test_a_worker_ends_with_the_torchrun_that_started_it(tmp_path):
+    """Across machines `keras-dist launch --backend torch` runs torchrun, which starts its
+    worker in a session of its own: a SIGKILLed torchrun must not leave the worker training
+    beside the next attempt (in CI it did: rank 1 of the failed attempt trained on with the
+    chief, and the restarted torchrun met the old job's store). Two machines' launchers here,
+    on 127.0.0.1."""
+    pytest.importorskip("torch")
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    launchers = [start([BIN / "keras-dist", "launch", "--backend", "torch", "-n", 1, "--nnodes", 2, "--node-rank", rank,
+                        "--master-addr", address, "--max-restarts", 1, FAULTS, "idle", tmp_path]) for rank in range(2)]
+    pids = []
+    try:
+        pids = _job_pids(tmp_path, 2, time.monotonic() + 120)
+        torchrun = parent_pid(pids[1])
+        assert b"torch.distributed.run" in open(f"/proc/{torchrun}/cmdline", "rb").read()
+        os.kill(torchrun, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while _alive(pids[1]):
+            assert time.monotonic() < deadline, "the worker outlived the torchrun that started it"
+            time.sleep(0.2)
+        restarting = launchers[1].poll() is None  # its launcher, which restarts the job, did not end it
+    finally:
+        kill_process_groups(launchers)
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    out = launchers[1].communicate(timeout=30)[0]
+    assert restarting and "the task that started it is gone" in out, out[-2000:]
 
 
 def test_a_task_killed_by_a_signal_exits_the_launcher_with_128_plus_it():

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from runner import BIN, JOB_SECRET, PYTHON, QUIET_ENV, WORKERS, assert_trains_like, run
+from runner import BIN, JOB_SECRET, PYTHON, QUIET_ENV, WORKERS, assert_trains_like, parent_pid, run
 from hostbed import HostBed, HostBedError, install_debian_package
 from keras_dist.launchers.nodes import DEFAULT_PORT
 
@@ -335,10 +335,14 @@ def test_keras_dist_launch_on_each_host_restarts_a_failed_job_which_ends_as_an_u
     while not backup.exists():
         assert time.monotonic() < deadline and all(p.poll() is None for p in processes), bed.output(processes[0])
         time.sleep(0.05)
-    victim = [pid for pid in bed.pids(bed.hosts[1]) if b"any_backend_worker" in open(f"/proc/{pid}/cmdline", "rb").read()
-              and b"keras-dist" not in open(f"/proc/{pid}/cmdline", "rb").read()]
-    assert victim
-    os.kill(max(victim), signal.SIGKILL)  # the training process (torchrun's child, or the launcher's)
+    # The training process: torchrun's child, or the launcher's. Not the highest pid: pids
+    # wrap (in CI this picked torchrun itself), so the one that started no other.
+    started = {pid: parent_pid(pid) for pid in bed.pids(bed.hosts[1])
+               if b"any_backend_worker" in open(f"/proc/{pid}/cmdline", "rb").read()
+               and b"keras-dist" not in open(f"/proc/{pid}/cmdline", "rb").read()}
+    victim = [pid for pid in started if pid not in started.values()]
+    assert len(victim) == 1, started
+    os.kill(victim[0], signal.SIGKILL)
     ended, listeners = wait_for_the_end(bed, processes, timeout=240)
     outputs = [bed.output(p) for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs[0][-3000:] + outputs[1][-3000:]

@@ -9,9 +9,9 @@ launcher (a preemption notice) is passed on to every task, which saves and exits
 second signal, are killed.
 
 Tasks never outlive the launcher, even a SIGKILLed one: each direct child gets a
-parent-death signal, and every process of the job (horovodrun's workers too) finds the
-launcher's pid in `KERAS_DIST_LAUNCHER_PID` and ends itself once it is gone
-(`watch_launcher`, started by `import keras_dist`).
+parent-death signal, and every process of the job (torchrun's and horovodrun's workers
+too) finds the launcher's pid in `KERAS_DIST_LAUNCHER_PID` and ends itself once it, or
+the process that started it, is gone (`watch_launcher`, started by `import keras_dist`).
 """
 
 import dataclasses
@@ -235,22 +235,29 @@ def _parent_death_signal():
 
 
 def watch_launcher(environ: Mapping[str, str], poll_seconds: float = 1.0) -> None:
-    """Ends this process once the launcher that started its job is gone.
+    """Ends this process once the launcher that started its job, or the task that started
+    this process, is gone.
 
-    Called at `import keras_dist` in every task: a task started by a task (horovodrun's
-    workers) gets no parent-death signal from the launcher, so it checks the launcher's
-    pid itself, on a daemon thread, and exits with 128 + SIGHUP like a hung-up session.
+    Called at `import keras_dist` in every task: a task started by a task (torchrun's and
+    horovodrun's workers) gets no parent-death signal from the launcher, so it checks the
+    launcher's pid itself, on a daemon thread, and exits with 128 + SIGHUP like a hung-up
+    session. It checks its own parent too: torchrun starts each worker in a session of its
+    own, so a SIGKILLed torchrun leaves its worker running, outside the process group the
+    launcher stops, and the worker of a failed attempt would train on beside the next.
     """
     launcher = int(environ.get(LAUNCHER_PID_VARIABLE, 0) or 0)
     if not launcher:
         return
+    starter = os.getppid()
 
     def watch():
         while True:
             time.sleep(poll_seconds)
-            if process_ended(launcher):
+            gone = ("the launcher" if process_ended(launcher) else
+                    "the task that started it" if os.getppid() != starter else None)
+            if gone:
                 try:
-                    sys.stderr.write("keras_dist: the launcher is gone; this task stops\n")
+                    sys.stderr.write(f"keras_dist: {gone} is gone; this task stops\n")
                     sys.stderr.flush()
                 except (OSError, ValueError):
                     pass  # stderr was the launcher's pipe
