@@ -3,6 +3,7 @@
     .venv/bin/python bench/sharding_memory.py [--backend torch|jax|tensorflow] [--processes 2] [--width 4096] [--rounds 2]
     .venv/bin/python bench/sharding_memory.py --backend jax --cap-mib 2200
     .venv/bin/python bench/sharding_memory.py --backend torch --settings unsharded,optimizer --restore
+    .venv/bin/python bench/sharding_memory.py --backend torch --settings unsharded,optimizer --chief-loads
 
 `--settings split,weights` picks settings; `split` builds the model inside
 `keras_dist.split_weights()` (PyTorch).
@@ -11,6 +12,13 @@ With --restore, each job runs twice: the first writes a `BackupAndRestore` backu
 step 4 and every process ends there; the second restores it at fit's start, and each
 process reports its peak resident memory up to its first step (the restore and the
 initial sync, before any training) beside the peak of the whole run.
+
+With --chief-loads, each job runs twice too: the first trains and saves its weights
+(`save_weights`, with the optimizer's state); the second trains a step (which builds the
+optimizer), then the chief alone loads that file, as a script may, and fit runs again:
+"before the first step" is then the peak from the load to that fit's first step (the
+initial sync hands every process the chief's state), the peak reset at the load
+(`/proc/self/clear_refs`).
 
 Each round runs, alternated, `keras-dist launch -n N` on Keras's PyTorch (or JAX, or TensorFlow under Horovod) backend
 of an MLP (3 Dense layers of --width units and one of 10: about 50M weights at 4096) trained 6 steps
@@ -60,10 +68,23 @@ def worker(out: str, width: int, shard: str | None, cap_mib: int | None, phase: 
     x = np.random.default_rng(0).normal(size=(6 * 16 * context.size, width)).astype("float32")
     y = np.zeros(len(x), "int32")
     before_training = {}
+    saved = os.path.join(out, "saved.weights.h5")
+    if phase == "chief loads":
+        model.fit(x[:16 * context.size], y[:16 * context.size], batch_size=16, verbose=0)  # builds the optimizer
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident memory starts again from the current
+        if context.is_chief:
+            model.load_weights(saved)
+
+    def peak() -> int:
+        if phase != "chief loads":
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
     class Phases(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-            before_training.setdefault("peak", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            before_training.setdefault("peak", peak())
 
         def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
             if phase == "backup" and batch == 3:  # after the backup of step 4, on disk
@@ -72,12 +93,15 @@ def worker(out: str, width: int, shard: str | None, cap_mib: int | None, phase: 
                 background_writes.wait_for_all()
                 os._exit(0)
 
-    backup = [keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=2)] if phase else []
+    backup = [keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=2)] if phase in (
+        "backup", "restore") else []
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[*backup, Phases()])
+    if phase == "save":
+        model.save_weights(saved)
     report = {"rank": context.rank, "weights": model.count_params(),
               "peak_rss_before_training_bytes": before_training["peak"],
               "optimizer_bytes": sum(held_bytes(v) for v in model.optimizer.variables),
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+              "peak_rss_bytes": peak()}
     with open(os.path.join(out, f"memory-{context.rank}.json"), "w") as f:
         json.dump(report, f)
 
@@ -92,11 +116,11 @@ def held_bytes(variable) -> int:
 
 
 def measure(backend: str, processes: int, width: int, shard: str | None, cap_mib: int | None = None,
-            restore: bool = False) -> list[dict]:
-    """Every process's report (of the restoring run, with `restore`); empty where the job
-    failed (under a cap: out of memory)."""
+            phases: tuple = (None,)) -> list[dict]:
+    """Every process's report (of the last of `phases`: the restoring run, or the chief's
+    load); empty where the job failed (under a cap: out of memory)."""
     with tempfile.TemporaryDirectory() as out:
-        for phase in ("backup", "restore") if restore else (None,):
+        for phase in phases:
             command = [str(Path(sys.executable).parent / "keras-dist"), "launch", "-n", str(processes),
                        __file__, "--worker", out, "--width", str(width), *(["--shard", shard] if shard else []),
                        *(["--cap-mib", str(cap_mib)] if cap_mib else []), *(["--phase", phase] if phase else [])]
@@ -136,8 +160,9 @@ def main() -> None:
                                            "model built in keras_dist.split_weights()); default: all the backend has "
                                            "but split")
     parser.add_argument("--shard", help=argparse.SUPPRESS)
-    parser.add_argument("--phase", choices=["backup", "restore"], help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=["backup", "restore", "save", "chief loads"], help=argparse.SUPPRESS)
     parser.add_argument("--restore", action="store_true", help="measure a backup's restore (see above)")
+    parser.add_argument("--chief-loads", action="store_true", help="measure the chief's load before fit (see above)")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.width, args.shard, args.cap_mib, args.phase)
@@ -157,7 +182,8 @@ def main() -> None:
     found: dict[str, list[dict]] = {name: [] for name in settings}
     for round_number in range(args.rounds):
         for name, shard in settings.items():
-            for report in measure(args.backend, args.processes, args.width, shard, restore=args.restore):
+            phases = ("backup", "restore") if args.restore else ("save", "chief loads") if args.chief_loads else (None,)
+            for report in measure(args.backend, args.processes, args.width, shard, phases=phases):
                 found[name].append(report)
                 print(f"round {round_number + 1} {name:9} rank {report['rank']}: {report['weights']} weights, optimizer "
                       f"{report['optimizer_bytes'] / 2**20:.1f} MiB, peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB "
@@ -171,7 +197,7 @@ def main() -> None:
               f"{ratio['optimizer_bytes']:.3f}, peak RSS {ratio['peak_rss_bytes']:.3f}, before the first step "
               f"{ratio['peak_rss_before_training_bytes']:.3f}")
     print(json.dumps({"backend": args.backend, "processes": args.processes, "width": args.width,
-                      "restore": args.restore, "medians": medians,
+                      "restore": args.restore, "chief_loads": args.chief_loads, "medians": medians,
                       "ratios": ratios, "runs": found}))
 
 

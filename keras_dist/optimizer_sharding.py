@@ -28,7 +28,8 @@ backups run on the chief while every other process runs a stand-in saving into s
 from a whole file; a backup the chief alone restores at fit's start reaches the others'
 shares as the chief reads each value (`led_by_the_chief`; on JAX `ModelLeads`; on
 PyTorch's split weights `SplitWeights`): the chief never holds the whole state. Where no
-lead walks the restore, the chief notes the whole state and `share_loaded_state` sends it.
+lead walks the restore, the chief notes the whole state and `share_loaded_state` sends it a
+value at a time, each process keeping its share.
 
 On JAX the state is sharded by layout instead (`shard_state_by_layout`): each slot the
 optimizer makes is one array over the job's mesh, split along an axis of the variable
@@ -57,8 +58,9 @@ class ShardedState:
     """What a sharded optimizer knows of the whole: the variables it was built for, which of
     its own variables is which variable's slot, how every process's shares are gathered
     (`gather`: the unsharded state's values in its order, one at a time, on every process;
-    each a collective, so every process iterates it whole, in step), and the whole state it
-    last loaded (`share_loaded_state`)."""
+    each a collective, so every process iterates it whole, in step), the whole state it
+    last loaded, and where each value of such a state goes on another process
+    (`share_loaded_state`)."""
 
     def __init__(self, gather: Callable[[], Iterator[np.ndarray]], chief: bool, level: str = "optimizer") -> None:
         self.level = level  # "weights": the model's weights are split too (JAX, during fit)
@@ -76,6 +78,9 @@ class ShardedState:
         # The chief's way to hand each value of a backup's restore to the others as it reads
         # it, where it leads the restore (`led_by_the_chief`): (layout key, whole value).
         self.hand_out: Callable[[tuple, np.ndarray], None] | None = None
+        # On a process that did not load: from (position in the unsharded state, its value)
+        # to this process's share of it (`share_loaded_state`).
+        self.keep_loaded: Callable[[], Callable[[int, np.ndarray], None]] | None = None
 
 
 def layout_of(optimizer_variables: Sequence[Any], slots: dict[int, tuple[int, str]]) -> list[tuple]:
@@ -252,11 +257,18 @@ def share_loaded_state(optimizer: keras.optimizers.Optimizer, replicas: Any) -> 
     """Gives every process its share of the whole state the chief last loaded outside a
     restore it leads (a script's `load_weights` before fit, which may have run on the chief
     alone; a backup's restore hands out each value as it is read instead); collective:
-    every process calls it."""
+    every process calls it. A value at a time, each let go once sent: no process receives
+    the whole state."""
     state = sharded_state(optimizer)
-    whole = replicas.collectives.broadcast_object(state.loaded if replicas.is_chief else None)
-    if whole is not None:
-        optimizer.load_own_variables({str(position): value for position, value in enumerate(whole)})
+    count = replicas.collectives.broadcast_object(None if state.loaded is None else len(state.loaded))
+    if count is not None:
+        keep = None if replicas.is_chief else state.keep_loaded()
+        for position in range(count):
+            value = replicas.collectives.broadcast_object(state.loaded[position] if replicas.is_chief else None)
+            if replicas.is_chief:
+                state.loaded[position] = None
+            else:
+                keep(position, value)
     state.loaded = None
 
 
@@ -411,8 +423,19 @@ def save_and_load_whole(optimizer: keras.optimizers.Optimizer, state: ShardedSta
             variable.assign(value if share_of is None else share_of(variable, key, value))
         note_loaded(state, store)
 
+    def keep_loaded() -> Callable[[int, np.ndarray], None]:
+        mine = dict(zip(layout_of(optimizer.variables, state.slots), optimizer.variables))
+        whole = whole_layout(optimizer, state)
+
+        def keep(position: int, value: np.ndarray) -> None:
+            variable = mine.get(whole[position])
+            if variable is not None:
+                variable.assign(value if share_of is None else share_of(variable, whole[position], value))
+        return keep
+
     override(optimizer, "save_own_variables", save_own_variables)
     override(optimizer, "load_own_variables", load_own_variables)
+    state.keep_loaded = keep_loaded
 
 
 def _hand_out_loaded(optimizer: keras.optimizers.Optimizer, state: ShardedState, store: Any,
@@ -487,6 +510,7 @@ def shard_state_by_layout(optimizer: keras.optimizers.Optimizer, chief: bool, la
     override(optimizer, "add_variable", add_variable)
     override(optimizer, "save_own_variables", save_own_variables)
     override(optimizer, "load_own_variables", load_own_variables)
+    state.keep_loaded = lambda: lambda position, value: place(optimizer.variables[position], value)
     attach_state(optimizer, state)
 
 

@@ -10,8 +10,9 @@ into the next on every process; the script then changes it to every second batch
 passed through `keras_dist.callbacks.chief_only` (the chief's already, as Keras's own file
 callbacks are), then the transfer-learning recipe (freeze, compile again, fit) and
 evaluate; the chief writes the evaluations, the losses and the final weights.
-`created` builds the model in `keras_dist.split_weights()`, its first layer frozen before
-the first compile.
+Before the last fit the script saves, trains a detour, and the chief alone loads the save
+back. `created` builds the model in `keras_dist.split_weights()`, its first layer frozen
+before the first compile.
 """
 
 import json
@@ -63,6 +64,13 @@ keras_dist.compile(model, optimizer="adam", loss="mse", shard=shard)
 # 4 steps an epoch: the chief's counter saves at the second fit's first batch.
 frozen = model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False,
                    callbacks=[best, every_third])
+# A script that goes back to its own file before the last fit, the chief alone loading it
+# (weights split for good load on every process): every process trains on from the chief's
+# weights and optimizer state, each its share of that state.
+model.save_weights(sys.argv[1] + ".before-detour.weights.h5")
+model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
+if context.is_chief or sys.argv[2] == "created":
+    model.load_weights(sys.argv[1] + ".before-detour.weights.h5")
 every_third.save_freq = 2  # changed between fits: every process's copy saves every second batch now
 frozen.history["loss"] += model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
                                     callbacks=[best, every_third]).history["loss"]
