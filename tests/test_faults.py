@@ -169,6 +169,51 @@ def test_a_worker_ends_with_the_torchrun_that_started_it(tmp_path):
     assert restarting and "the task that started it is gone" in out, out[-2000:]
 
 
+def _children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and parent_pid(int(entry)) == pid:
+                found.append(int(entry))
+        except OSError:
+            pass  # ended meanwhile
+    return found
+
+
+def test_a_machine_that_restarts_first_meets_the_next_attempt_not_the_last(tmp_path):
+    """Two machines' launchers (`--backend torch --nnodes 2 --max-restarts 1`, on 127.0.0.1).
+    Node 1's worker is killed while node 0's is frozen, so node 0's attempt, and torchrun's
+    store at the master's port, stay open: node 1's torchrun, started again at once, must
+    wait for node 0's next attempt rather than join the one still open. Node 0's worker
+    then goes on, finds its peer gone, and the job restarts there too, resumes from the
+    chief's backup and ends well on both."""
+    pytest.importorskip("torch")
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    launchers = [start([BIN / "keras-dist", "launch", "--backend", "torch", "-n", 1, "--nnodes", 2, "--node-rank", rank,
+                        "--master-addr", address, "--max-restarts", 1, WORKERS / "any_backend_worker.py", tmp_path,
+                        "--samples", 2048, "--epochs", 4, "--callbacks"]) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "backup").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in launchers), "no backup"
+            time.sleep(0.05)
+        workers = [worker for launcher in launchers for torchrun in _children(launcher.pid)
+                   for worker in _children(torchrun)]
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGSTOP)
+        os.kill(workers[1], signal.SIGKILL)
+        time.sleep(10)  # node 1's torchrun starts again meanwhile
+        os.kill(workers[0], signal.SIGCONT)
+        deadline = time.monotonic() + 240
+        while any(launcher.poll() is None for launcher in launchers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        kill_process_groups(launchers)
+    outputs = [launcher.communicate(timeout=30)[0] for launcher in launchers]
+    for launcher, output in zip(launchers, outputs):
+        assert launcher.returncode == 0 and "restart 1 of 1" in output, output[-3000:]
+
+
 def test_a_task_killed_by_a_signal_exits_the_launcher_with_128_plus_it():
     code, out = run([BIN / "keras-dist", "launch", "-n", 2, FAULTS, "killed_by_signal"], timeout=120)
     assert code == 128 + signal.SIGKILL, out[-2000:]

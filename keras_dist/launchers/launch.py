@@ -54,9 +54,13 @@ def run_job(local_tasks: Callable[[Nodes | None], list[Task]], chosen: Settings,
     def tasks_for(attempt: int) -> list[Task]:
         nonlocal placed
         if nodes:
-            # An elastic job's machine may join late: its attempts are the master's.
+            # An elastic job's machine may join late: its attempts are the master's. Where the
+            # port is the engine's coordinator (torchrun's store, JAX's), each restart moves
+            # it on: a machine that restarts first would otherwise meet the last attempt's,
+            # still open while the master's tasks have not yet seen the failure.
             placed = (nodes.assemble(attempt, moves_port=not exchanges) if nodes.elastic
-                      else dataclasses.replace(nodes, attempt=attempt))
+                      else dataclasses.replace(nodes, attempt=attempt,
+                                               port=nodes.port if exchanges else nodes.port + attempt))
             attempt = placed.attempt
         tasks = local_tasks(placed if placed and placed.count > 1 else None)
         for task in tasks:
