@@ -139,6 +139,31 @@ def test_tasks_never_outlive_their_launcher(tmp_path, backend, sig):
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM)
 
 
+def _children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and parent_pid(int(entry)) == pid:
+                found.append(int(entry))
+        except OSError:
+            pass  # ended meanwhile
+    return found
+
+
+def _end_launchers(launchers):
+    """Kills the launchers and, by pid, all they started: torchrun and its workers run in
+    sessions of their own, which the launchers' process groups do not reach, and a
+    stopped (SIGSTOP) worker would not see its launcher end."""
+    started, parents = [], [launcher.pid for launcher in launchers]
+    while parents:
+        parents = [child for parent in parents for child in _children(parent)]
+        started += parents
+    kill_process_groups(launchers)
+    for pid in started:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_worker_ends_with_the_torchrun_that_started_it(tmp_path):
     """Across machines `keras-dist launch --backend torch` runs torchrun, which starts its
     worker in a session of its own: a SIGKILLed torchrun must not leave the worker training
@@ -149,7 +174,6 @@ def test_a_worker_ends_with_the_torchrun_that_started_it(tmp_path):
     address = f"127.0.0.1:{free_ports(1)[0]}"
     launchers = [start([BIN / "keras-dist", "launch", "--backend", "torch", "-n", 1, "--nnodes", 2, "--node-rank", rank,
                         "--master-addr", address, "--max-restarts", 1, FAULTS, "idle", tmp_path]) for rank in range(2)]
-    pids = []
     try:
         pids = _job_pids(tmp_path, 2, time.monotonic() + 120)
         torchrun = parent_pid(pids[1])
@@ -161,23 +185,9 @@ def test_a_worker_ends_with_the_torchrun_that_started_it(tmp_path):
             time.sleep(0.2)
         restarting = launchers[1].poll() is None  # its launcher, which restarts the job, did not end it
     finally:
-        kill_process_groups(launchers)
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _end_launchers(launchers)
     out = launchers[1].communicate(timeout=30)[0]
     assert restarting and "the task that started it is gone" in out, out[-2000:]
-
-
-def _children(pid):
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and parent_pid(int(entry)) == pid:
-                found.append(int(entry))
-        except OSError:
-            pass  # ended meanwhile
-    return found
 
 
 def test_a_machine_that_restarts_first_meets_the_next_attempt_not_the_last(tmp_path):
@@ -208,7 +218,7 @@ def test_a_machine_that_restarts_first_meets_the_next_attempt_not_the_last(tmp_p
         while any(launcher.poll() is None for launcher in launchers) and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
-        kill_process_groups(launchers)
+        _end_launchers(launchers)
     outputs = [launcher.communicate(timeout=30)[0] for launcher in launchers]
     for launcher, output in zip(launchers, outputs):
         assert launcher.returncode == 0 and "restart 1 of 1" in output, output[-3000:]
