@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import sys
+import time
 from collections.abc import Mapping
 
 logger = logging.getLogger("keras_dist")
@@ -70,17 +71,23 @@ def answers(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def refuses(address: str, timeout: float = 2.0) -> bool:
+def refuses(address: str, timeout: float = 2.0, within: float = 0.0) -> bool:
     """Whether the machine at `address` refuses TCP connections to its port: the process
-    that listened there ended. No answer at all (a frozen or cut-off machine) is not a refusal."""
+    that listened there ended. No answer at all (a frozen or cut-off machine) is not a refusal.
+    `within` seconds asks again until then: a process that is ending may close its other
+    connections before its listener, and a peer sees those first."""
     host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError):
-        pass
-    return False
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except ConnectionRefusedError:
+            return True
+        except (OSError, ValueError):
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def serves(address: str, timeout: float = 2.0) -> bool:

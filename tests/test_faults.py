@@ -358,6 +358,28 @@ def test_a_full_disk_ends_the_job_in_one_line_and_the_rerun_resumes_once_there_i
     assert code == 0 and "fit resumes in epoch" in out and out.count("trained") == 2, out[-3000:]
 
 
+def test_a_port_closing_after_the_peers_other_connections_still_counts_as_refusing():
+    """CI (2026-11-29): the JAX chief's gloo connection closed before its coordinator's port,
+    and its peer, asking at once, said "a peer exited" without naming rank 0."""
+    import socket
+    import threading
+
+    from keras_dist import network
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    closing = threading.Timer(0.5, listener.close)
+    closing.start()
+    try:
+        assert not network.refuses(address)  # still listening
+        started = time.monotonic()
+        assert network.refuses(address, within=3.0)
+        assert time.monotonic() - started < 2.0
+    finally:
+        closing.cancel()
+        listener.close()
+
+
 BACKENDS = ["torch", "horovod", "jax"]
 
 

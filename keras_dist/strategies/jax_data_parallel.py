@@ -305,12 +305,13 @@ class JaxDataParallelStrategy(Strategy):
 
     def _who_exited(self, error: Exception) -> PeerFailure:
         """A peer closed its connections: it ended (a frozen one times out instead, `PeerWatch`).
-        Rank 0 serves JAX's coordination service, whose port then refuses connections."""
+        Rank 0 serves JAX's coordination service, whose port then refuses connections, though
+        perhaps only after its gloo connections closed."""
         from jax._src import distributed
 
         coordinator = distributed.global_state.coordinator_address  # as joined, after `_start_process_group`
         gone = ([f"rank 0 (JAX's coordinator at {coordinator})"] if coordinator and self.rank != 0
-                and network.refuses(coordinator, PEERS_SECONDS) else [])
+                and network.refuses(coordinator, PEERS_SECONDS, within=PEERS_SECONDS) else [])
         return PeerFailure(gone, None, "run the same command again to resume from the last backup",
                            cause=first_line(error), exited=True)
 
