@@ -79,6 +79,7 @@ jax_mlp and torch_mlp run, 1 thread per process:
                       the DDP wrap of Keras >= 3.16), each fitting its share
   handwritten_2       that framework's own loop, 2 processes: a jitted JAX step over a mesh
                       of both processes' devices, or a torch.nn model under DDP
+  handwritten_1       the same loop in 1 process: what Keras's trainer costs
   keras_dist_adam_2   keras_dist_2 with Adam; keras_dist_shard_2 the same with its state sharded
                       over the processes (shard="optimizer"); jax_mlp and torch_mlp: keras_dist_shard_weights_2,
                       the weights split too (shard="weights")
@@ -249,6 +250,7 @@ CONFIGS = {
     **{backend: [
         Config("plain_1", "plain", env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
         Config("keras_dist_2", "keras_dist", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
+        Config("handwritten_1", "handwritten", 1, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
         Config("handwritten_2", "handwritten", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
         Config("keras_native_2", "keras_native", 2, backend, env={"KERAS_BACKEND": backend}, worker="backend_worker.py"),
     ] for backend in ("jax", "torch")},
@@ -304,6 +306,11 @@ RATIOS = {
         ("cpu_keras_dist_2_vs_handwritten_2", "keras_dist_2", "handwritten_2", CPU, None),
         ("keras_dist_2_vs_plain_1", "keras_dist_2", "plain_1", SPS, None),
         ("handwritten_2_vs_plain_1", "handwritten_2", "plain_1", SPS, None),
+        # Keras's trainer against the framework's own loop in one process: the part of
+        # cpu_keras_dist_2_vs_handwritten_2 that is Keras's, not keras_dist's.
+        ("cpu_plain_1_vs_handwritten_1", "plain_1", "handwritten_1", CPU, None),
+        ("cpu_handwritten_2_vs_handwritten_1", "handwritten_2", "handwritten_1", CPU, None),
+        ("cpu_keras_dist_2_vs_plain_1", "keras_dist_2", "plain_1", CPU, None),
         ("keras_dist_2_vs_keras_native_2", "keras_dist_2", "keras_native_2", SPS, None),
         ("cpu_keras_dist_2_vs_keras_native_2", "keras_dist_2", "keras_native_2", CPU, None),
     ] for backend in ("jax", "torch")},
