@@ -441,11 +441,9 @@ def save_method(callback: Any) -> Any:
 _SAVE_SCHEDULE = ("_batches_seen_since_last_saving", "_last_batch_seen", "_current_epoch", "best")
 
 
-def carry_save_schedule(source: Any, target: Any) -> None:
-    """Gives a checkpoint's or backup's copy (`target`) the counters that decide its next save as `source` holds them (batches since the last save, the last batch, the epoch, the best value), for a worker's stand-in made afresh at each fit; private attributes."""
-    for name in _SAVE_SCHEDULE:
-        if name in vars(source):
-            setattr(target, name, vars(source)[name])
+def save_schedule(callback: Any) -> dict[str, Any]:
+    """The counters that decide a checkpoint's or backup's next save (batches since the last save, the last batch, the epoch, the best value), which the chief's callback carries from one fit into the next, for the other processes' stand-ins made afresh at each fit; private attributes."""
+    return {name: vars(callback)[name] for name in _SAVE_SCHEDULE if name in vars(callback)}
 
 
 def callback_model(callback: Any) -> Any:

@@ -85,7 +85,8 @@ class DistributedTraining:
         script_callbacks = list(callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
                                 else callbacks or [])
         arguments["callbacks"] = callbacks_for_this_worker(script_callbacks, self.strategy,
-                                                           self.gradient_options.shard is not None)
+                                                           self.gradient_options.shard is not None,
+                                                           fit=method == self.keras_fit)
         if not self.strategy.is_chief:
             arguments["verbose"] = 0
         return arguments, script_callbacks

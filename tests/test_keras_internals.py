@@ -845,10 +845,10 @@ def test_save_method(tmp_path):
         assert saves[2:] == ["backup"] and all(os.path.exists(path) for path in keras_internals.backup_files(backup))
 
 
-def test_carry_save_schedule(tmp_path):
+def test_save_schedule(tmp_path):
     with canary("keras.src.callbacks.ModelCheckpoint's and BackupAndRestore's save counters (_batches_seen_since_last_saving, "
                 "_last_batch_seen, _current_epoch, best)",
-                "keras_dist.fault_tolerance.checkpoint_io carries them into each fit's new stand-in"):
+                "keras_dist.callbacks.file_callbacks gives each fit's new stand-in the chief's"):
         model = compiled_model()
         x, y = np.ones((8, 3)), np.ones((8, 2))
         steps = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.__setattr__("n", steps.n + 1))
@@ -863,7 +863,8 @@ def test_carry_save_schedule(tmp_path):
                          saves.setdefault(id(_c), []).append(steps.n) or _s(*a, **k))
             steps.n = 0
             model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[steps, kept])  # 4 steps: saved after the third
-            keras_internals.carry_save_schedule(kept, fresh)
+            for name, value in keras_internals.save_schedule(kept).items():
+                setattr(fresh, name, value)
             model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[steps, kept, fresh])
             assert saves[id(kept)] == [3, 6] and saves[id(fresh)] == [6], (type(kept).__name__, saves)
 

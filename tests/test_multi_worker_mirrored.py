@@ -37,6 +37,18 @@ def test_two_workers_match_one_process_and_write_files_on_the_chief_only(tmp_pat
     assert not [d for d in os.listdir(scratch) if d.startswith("keras_dist_scratch_")]
 
 
+def test_a_chief_that_alone_passes_fit_its_checkpoints_stops_every_worker_in_one_line(tmp_path):
+    """Every MultiWorkerMirrored save is a collective, which a worker without the chief's
+    checkpoints would never join (before: worker 1's traceback, its model check meeting the
+    chief's restore)."""
+    command = runner.configuration_command("mwms_2", [runner.WORKERS / "any_backend_worker.py", tmp_path,
+                                                       "--callbacks", "chief"])
+    code, out = runner.run(command, 200, {"KERAS_BACKEND": "tensorflow"})
+    said = [line for line in out.splitlines() if "KerasDistError: rank 0 passes fit ['ModelCheckpoint', "
+            "'BackupAndRestore'] and rank 1 passes none" in line and "pass them on every process" in line]
+    assert code != 0 and 1 <= len(said) <= 2 and "Traceback" not in out, out[-3000:]
+
+
 def test_the_step_timeout_is_tensorflows_heartbeat_timeout(tmp_path):
     """docs/settings.md: a worker frozen mid-training (SIGSTOP) ends the job once its
     heartbeats have stopped for KERAS_DIST_STEP_TIMEOUT, 20 s here, not at TensorFlow's own

@@ -319,6 +319,9 @@ print("same state", len(pairs))
     ("torch", "weights_clipnorm", ["--shard", "weights", "--clipnorm", "1.0"],
      "shard='weights' does not take clipnorm yet", 2),
     ("tensorflow", "weights", ["--shard", "weights"], "backend 'horovod' cannot shard the weights yet", 2),
+    # Horovod's examples give the chief alone its checkpoints: its gathers would wait for the others.
+    ("torch", "chief_alone_checkpoints", ["--callbacks", "chief"],
+     "rank 0 passes fit ['ModelCheckpoint', 'BackupAndRestore'] and rank 1 passes none: where every process takes part", 2),
     ("tensorflow", "chief_alone_saves", ["--adam", "--save", "chief"],
      "model.save gathers every process's share of the optimizer's state, but rank 1 on ", 1),
     # JAX's gather would wait for rank 1 forever: it ended cleanly.

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import keras
 
+from keras_dist import keras_internals
+from keras_dist.errors import KerasDistError
 from keras_dist.fault_tolerance.atomic_writes import make_log_failures_warn, make_writes_atomic
 
 if TYPE_CHECKING:
@@ -61,7 +63,8 @@ def chief_only(callback: CallbackT) -> CallbackT:
 
 
 def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | keras.callbacks.CallbackList | None,
-                              replicas: "Replicas", collective_saves: bool = False) -> list[keras.callbacks.Callback]:
+                              replicas: "Replicas", collective_saves: bool = False,
+                              fit: bool = True) -> list[keras.callbacks.Callback]:
     """The user's callbacks as this worker must run them.
 
     Args:
@@ -70,6 +73,8 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
         collective_saves: the model's saves gather every process's share of its state
             (`shard="optimizer"`): a worker runs a stand-in of each checkpoint and backup
             (`CheckpointIO.collective_save_stand_in`).
+        fit: the callbacks are `fit`'s, where stand-ins save: every process then takes the
+            chief's save schedules (`chiefs_save_schedules`, a collective).
 
     Returns:
         A new list. On the chief, every callback, checkpoints written atomically
@@ -83,16 +88,44 @@ def callbacks_for_this_worker(callbacks: Iterable[keras.callbacks.Callback] | ke
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     callbacks = list(callbacks or [])
+    io = replicas.checkpoint_io
+    stand_ins = replicas.size > 1 and (collective_saves or io.workers_save_in_scratch)
+    schedules = chiefs_save_schedules(callbacks, replicas) if stand_ins and fit else {}
     if replicas.is_chief:
         # One process keeps Keras's behaviour for logs: the script sees the error as without keras_dist.
         guard_logs = make_log_failures_warn if replicas.size > 1 else (lambda c: c)
-        return [replicas.checkpoint_io.chief_callback(guard_logs(make_writes_atomic(c)))
+        return [io.chief_callback(guard_logs(make_writes_atomic(c)))
                 if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks]
-    io = replicas.checkpoint_io
-    kept = [io.collective_save_stand_in(c) if collective_saves and isinstance(c, _SAVING_CALLBACKS) else
-            io.worker_callback(c) if isinstance(c, FILE_WRITING_CALLBACKS) else c for c in callbacks
-            if c not in _CHIEF_ONLY or isinstance(c, FILE_WRITING_CALLBACKS)]
+    kept = [io.collective_save_stand_in(c, schedules.get(id(c))) if collective_saves and isinstance(c, _SAVING_CALLBACKS)
+            else io.worker_callback(c, schedules.get(id(c))) if isinstance(c, FILE_WRITING_CALLBACKS) else c
+            for c in callbacks if c not in _CHIEF_ONLY or isinstance(c, FILE_WRITING_CALLBACKS)]
     return [c for c in kept if c is not None]
+
+
+def chiefs_save_schedules(callbacks: list[keras.callbacks.Callback], replicas: "Replicas") -> dict[int, dict]:
+    """The save counters of the chief's checkpoints and backups (`keras_internals.save_schedule`),
+    by the id of this process's callback at the same place: a stand-in saves at the chief's
+    steps whatever fits the callback ran in before (one shared with an unsharded model's fit
+    advanced on the chief alone). Every process calls it at once (one small allgather).
+
+    Raises:
+        KerasDistError: the processes pass fit different checkpoints or backups (the chief
+            alone its `ModelCheckpoint`, as Horovod's examples do): each save would wait
+            for processes that never take part.
+    """
+    saving = [c for c in callbacks if isinstance(c, _SAVING_CALLBACKS)]
+    names = [type(c).__name__ for c in saving]
+    found = replicas.collectives.allgather_object(
+        (names, [keras_internals.save_schedule(c) for c in saving] if replicas.is_chief else None))
+    differing = [rank for rank, (theirs, _) in enumerate(found) if theirs != found[0][0]]
+    if differing:
+        rank = differing[0]
+        raise KerasDistError(
+            f"rank 0 passes fit {found[0][0] or 'no checkpoints'} and rank {rank} passes {found[rank][0] or 'none'}: where "
+            "every process takes part in a save (shard=, MultiWorkerMirrored) every process passes fit the same "
+            "ModelCheckpoint and BackupAndRestore callbacks, whose files keras_dist writes on the chief alone; "
+            "pass them on every process")
+    return {id(c): schedule for c, schedule in zip(saving, found[0][1])}
 
 
 class _Watch:

@@ -10,7 +10,6 @@ the part holds no engine.
 """
 
 import contextlib
-import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -65,8 +64,6 @@ class CheckpointIO:
         self._workers_save_in_scratch = workers_save_in_scratch
         self.saves_by_layer = saves_by_layer
         self._checkpoints_within = checkpoints_within or saves_within
-        self._scratch_copies: "weakref.WeakKeyDictionary[keras.callbacks.Callback, ScratchCallback]" = \
-            weakref.WeakKeyDictionary()
 
     def saving(self, model: keras.Model) -> contextlib.AbstractContextManager[Any]:
         """Context in which this process writes `model`: the chief's saves, and a save of the
@@ -97,28 +94,38 @@ class CheckpointIO:
         override(callback, _WRAPPED, True)
         return callback
 
-    def worker_callback(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback | None:
-        """What a process other than the chief runs for a checkpoint or log callback: None to
-        drop it, or, where saves are collectives, a stand-in saving into scratch."""
-        return self._scratch_copy(callback) if self._workers_save_in_scratch else None
+    @property
+    def workers_save_in_scratch(self) -> bool:
+        """Whether every save is a collective, so that the other processes run stand-ins."""
+        return self._workers_save_in_scratch
 
-    def collective_save_stand_in(self, callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+    def worker_callback(self, callback: keras.callbacks.Callback,
+                        schedule: dict[str, Any] | None = None) -> keras.callbacks.Callback | None:
+        """What a process other than the chief runs for a checkpoint or log callback: None to
+        drop it, or, where saves are collectives, a stand-in saving into scratch (`schedule`:
+        as `collective_save_stand_in`'s)."""
+        return self._scratch_copy(callback, schedule) if self._workers_save_in_scratch else None
+
+    def collective_save_stand_in(self, callback: keras.callbacks.Callback,
+                                 schedule: dict[str, Any] | None = None) -> keras.callbacks.Callback:
         """What a process other than the chief runs for a `ModelCheckpoint` or `BackupAndRestore`
         where the model's saves gather every process's share of sharded state: a copy saving
-        into a scratch directory of its own, run as the chief runs its saves."""
-        stand_in = self._scratch_copy(callback)
+        into a scratch directory of its own, run as the chief runs its saves.
+
+        Args:
+            callback: the script's callback, as this process holds it.
+            schedule: the counters of the chief's callback at fit's start
+                (`keras_internals.save_schedule`), so that both save at the same steps.
+        """
+        stand_in = self._scratch_copy(callback, schedule)
         self.chief_callback(stand_in.inner)
         return stand_in
 
-    def _scratch_copy(self, callback: keras.callbacks.Callback) -> ScratchCallback:
-        """This process's scratch copy of `callback` for one run, made afresh (the script may
-        change its settings between fits; an empty scratch directory), with the save schedule
-        of its copy in the last run (batches since the last save, the best value so far):
-        the chief's callback carries them from one fit into the next, and both must save at
-        the same steps."""
+    @staticmethod
+    def _scratch_copy(callback: keras.callbacks.Callback, schedule: dict[str, Any] | None) -> ScratchCallback:
+        """A scratch copy of `callback` for one run, made afresh (the script may change its
+        settings between fits; an empty scratch directory), at the chief's save schedule."""
         copy = ScratchCallback(callback)
-        previous = self._scratch_copies.get(callback)
-        if previous is not None:
-            keras_internals.carry_save_schedule(previous.inner, copy.inner)
-        self._scratch_copies[callback] = copy
+        for name, value in (schedule or {}).items():  # the attributes `keras_internals.save_schedule` read
+            setattr(copy.inner, name, value)
         return copy

@@ -1,7 +1,7 @@
 """A training script as a user would write it, on whichever Keras backend KERAS_BACKEND names.
 
 Usage: python any_backend_worker.py OUT_DIR [--batch B] [--samples N] [--eval-samples M]
-       [--epochs E] [--callbacks] [--adam] [--global-clipnorm C] [--clipnorm C] [--shard optimizer|weights] [--steps-per-execution S] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile] [--early-stopping]
+       [--epochs E] [--callbacks [chief]] [--adam] [--global-clipnorm C] [--clipnorm C] [--shard optimizer|weights] [--steps-per-execution S] [--save every|chief] [--dataset | --pydataset] [--two-optimizers] [--recompile] [--early-stopping]
        [--kill-rank R --kill-epoch K]
 Imports no framework itself, so the test can see what keras_dist imports. Writes
 OUT_DIR/result-<rank>.json: weights, history, evaluate and predict results, and which of
@@ -20,7 +20,8 @@ parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=64)
 parser.add_argument("--eval-samples", type=int, default=17)
-parser.add_argument("--callbacks", action="store_true", help="add checkpoint, backup and CSV callbacks")
+parser.add_argument("--callbacks", nargs="?", const="every", choices=["every", "chief"],
+                    help="add checkpoint, backup and CSV callbacks (chief: on the chief alone, as Horovod's examples do)")
 parser.add_argument("--adam", action="store_true")
 parser.add_argument("--global-clipnorm", type=float, help="the optimizer's global_clipnorm")
 parser.add_argument("--clipnorm", type=float, help="the optimizer's clipnorm")
@@ -135,7 +136,7 @@ class HeldAtTrainEnd(keras.callbacks.Callback):
 callbacks = [KillAtEpochEnd(), HeldAtTrainEnd()]
 if args.early_stopping:  # a falling loss counts as no improvement: stops after epoch 2, restores epoch 1's weights
     callbacks.append(keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1, restore_best_weights=True))
-if args.callbacks:
+if args.callbacks == "every" or (args.callbacks == "chief" and ctx.is_chief):
     callbacks += [
         keras.callbacks.ModelCheckpoint(os.path.join(args.out, "ckpt.weights.h5"), save_weights_only=True),
         keras.callbacks.BackupAndRestore(os.path.join(args.out, "backup")),

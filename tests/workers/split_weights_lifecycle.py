@@ -6,7 +6,8 @@ evaluate and predict before any fit (shards of unequal length), model.save from 
 on every process inside fit, a `ModelCheckpoint(save_best_only=True)` kept across the
 fits (the chief leads its saves: a stand-in's own decision may differ), a
 `ModelCheckpoint(save_freq=3)` kept across them (its batch counter carries from one fit
-into the next on every process; the script then changes it to every second batch), one
+into the next on every process, a fit of another, unsharded model included; the script
+then changes it to every second batch), one
 passed through `keras_dist.callbacks.chief_only` (the chief's already, as Keras's own file
 callbacks are), then the transfer-learning recipe (freeze, compile again, fit) and
 evaluate; the chief writes the evaluations, the losses and the final weights.
@@ -71,6 +72,11 @@ model.save_weights(sys.argv[1] + ".before-detour.weights.h5")
 model.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
 if context.is_chief or sys.argv[2] == "created":
     model.load_weights(sys.argv[1] + ".before-detour.weights.h5")
+# One batch of another, unsharded model with the same checkpoint: its counter moves on the
+# chief alone (the others leave a checkpoint of an unsharded fit to it).
+side = build()
+keras_dist.compile(side, optimizer="sgd", loss="mse")
+side.fit(x, y, batch_size=8, epochs=1, steps_per_epoch=1, verbose=0, shuffle=False, callbacks=[every_third])
 every_third.save_freq = 2  # changed between fits: every process's copy saves every second batch now
 frozen.history["loss"] += model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
                                     callbacks=[best, every_third]).history["loss"]
