@@ -74,8 +74,9 @@ def answers(address: str, timeout: float = 2.0) -> bool:
 def refuses(address: str, timeout: float = 2.0, within: float = 0.0) -> bool:
     """Whether the machine at `address` refuses TCP connections to its port: the process
     that listened there ended. No answer at all (a frozen or cut-off machine) is not a refusal.
-    `within` seconds asks again until then: a process that is ending may close its other
-    connections before its listener, and a peer sees those first."""
+    `within` seconds asks again until then, every 10 ms: a process that is ending may close
+    its other connections before its listener, and a peer sees those first (and may itself be
+    ended by its engine within about 100 ms: JAX's client aborts once its coordinator is gone)."""
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + within
     while True:
@@ -87,7 +88,7 @@ def refuses(address: str, timeout: float = 2.0, within: float = 0.0) -> bool:
             return False
         if time.monotonic() >= deadline:
             return False
-        time.sleep(0.1)
+        time.sleep(0.01)
 
 
 def serves(address: str, timeout: float = 2.0) -> bool:
